@@ -1,0 +1,227 @@
+"""The base config (every field, defaulting to plain next-token prediction) and its validation.
+
+Files in `configs/` import `base_config()` and change what they need; the train and generate
+entry points call `validate()` once, after command-line overrides, so a bad value is one clear
+`ValueError` at start-up, never a shape error deep inside a jitted function.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+HEAD_KINDS = ("parallel", "projection", "sequential")
+SEQ_CONCAT = ("emb_first", "hidden_first")
+SEQ_TRUNK_STATE = ("post_norm", "pre_norm")
+SEQ_OUTPUT_NORM = ("per_module", "shared")
+# Where public implementations of DeepSeek-V3 MTP disagree (see heads.py).
+SEQ_PRESETS = {
+    # The released DeepSeek-V3 weights, Megatron, vLLM, SGLang: eh_proj([enorm(emb); hnorm(h)]),
+    # h taken after the main model's final norm, `shared_head.norm` per module.
+    "deepseek_v3": ("emb_first", "post_norm", "per_module"),
+    # The paper's eq. 21 ([h; emb]) as MiMo writes it.
+    "paper": ("hidden_first", "post_norm", "per_module"),
+    # MaxText: trunk state before the final norm, the main model's norm reused for every depth.
+    "maxtext": ("emb_first", "pre_norm", "shared"),
+}
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+HEAD_WEIGHTS = ("uniform", "geometric", "deepseek")
+SCHEDULES = ("cosine", "linear", "constant")
+TOKENIZERS = ("byte", "sentencepiece")
+CORPORA = ("python_code", "text_folder")
+DTYPES = ("float32", "bfloat16")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field the code reads, with next-token-prediction defaults."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 259  # byte tokenizer: 256 bytes + pad, bos, eos
+  c.model.d_model = 256
+  c.model.n_layers = 6  # counts the parallel head blocks (matched parameters, Gloeckle §3)
+  c.model.n_heads = 8  # attention heads
+  c.model.n_kv_heads = 4
+  c.model.d_ff = 768  # SwiGLU hidden size
+  c.model.max_len = 1024  # longest sequence (prompt + completion) the model accepts
+  c.model.rope_theta = 10000.0
+  c.model.norm_eps = 1e-5
+  c.model.tie_embeddings = True
+  c.model.n_future = 1
+  c.model.remat_policy = "none"
+  c.model.scan_layers = True
+  c.model.dtype = "float32"  # compute dtype; params stay float32
+  c.model.heads = ml_collections.ConfigDict()
+  c.model.heads.kind = "parallel"
+  c.model.heads.seq_preset = "deepseek_v3"  # sets the three fields below unless "" (custom)
+  c.model.heads.seq_concat = "emb_first"
+  c.model.heads.seq_trunk_state = "post_norm"
+  c.model.heads.seq_output_norm = "per_module"
+
+  c.loss = ml_collections.ConfigDict()
+  c.loss.token_chunks = 1  # token tiles per head inside the loss scan; 1 = whole head at once
+  c.loss.head_weights = "uniform"  # "uniform", "geometric", "deepseek" or a list of n_future floats
+  c.loss.geometric_decay = 0.5  # head i gets decay**(i-1)
+  c.loss.mtp_lambda = 0.3  # DeepSeek-V3: main loss + lambda/D * sum of depth losses
+  c.loss.z_loss = 0.0
+
+  c.data = ml_collections.ConfigDict()
+  c.data.corpus = "python_code"
+  c.data.dir = os.path.join(os.path.expanduser("~"), ".cache", "mtp_jax", "datasets")
+  c.data.folder = ""  # text_folder corpus: root folder
+  c.data.glob = "**/*.py"  # text_folder corpus: files to take
+  c.data.val_percent = 5  # validation split: files whose path hash falls below this percent
+  c.data.tokenizer = "byte"
+  c.data.spm_path = ""  # sentencepiece model file when tokenizer == "sentencepiece"
+  c.data.seq_len = 256
+  c.data.shuffle_seed = 0
+  c.data.worker_count = 0
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 3e-3
+  c.optim.schedule = "cosine"
+  c.optim.warmup_steps = 50
+  c.optim.min_lr_ratio = 0.1
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.95
+  c.optim.eps = 1e-8
+  c.optim.weight_decay = 0.1
+  c.optim.decay_norms_and_embeddings = False
+  c.optim.grad_clip = 1.0
+  c.optim.max_consecutive_nonfinite = 10
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 16
+  c.train.grad_accum = 1
+  c.train.steps = 1000
+  c.train.log_every = 10
+  c.train.eval_every = 200
+  c.train.eval_batches = 4
+  c.train.checkpoint_every = 200
+  c.train.keep_checkpoints = 3
+  c.train.async_checkpoints = True
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # -1 takes the devices the other axes leave
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  # Logical axis name -> mesh axis (or None). Only sharding.py reads mesh names.
+  c.mesh.rules = (
+      ("batch", ("data", "fsdp")),
+      ("vocab", "tensor"),
+      ("embed", "fsdp"),
+      ("mlp", "tensor"),
+      ("heads", "tensor"),
+      ("kv_heads", "tensor"),
+      ("head_dim", None),
+      ("layers", None),
+      ("mtp_heads", None),
+      ("norm", None),
+      ("seq", None),
+  )
+  return c
+
+
+def _fail(field: str, msg: str):
+  raise ValueError(f"config.{field}: {msg}")
+
+
+def _choice(c, field: str, allowed):
+  value = c
+  for part in field.split("."):
+    value = getattr(value, part)
+  if value not in allowed:
+    _fail(field, f"got {value!r}, allowed: {', '.join(map(repr, allowed))}")
+
+
+def apply_presets(c: ml_collections.ConfigDict) -> None:
+  """Expands `model.heads.seq_preset` into the three fields it names."""
+  preset = c.model.heads.seq_preset
+  if preset:
+    if preset not in SEQ_PRESETS:
+      _fail("model.heads.seq_preset", f"got {preset!r}, allowed: '' or "
+            + ", ".join(map(repr, SEQ_PRESETS)))
+    (c.model.heads.seq_concat, c.model.heads.seq_trunk_state,
+     c.model.heads.seq_output_norm) = SEQ_PRESETS[preset]
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Checks every field the code relies on; raises ValueError naming the field. Returns c."""
+  m = c.model
+  apply_presets(c)
+  _choice(c, "model.heads.kind", HEAD_KINDS)
+  _choice(c, "model.heads.seq_concat", SEQ_CONCAT)
+  _choice(c, "model.heads.seq_trunk_state", SEQ_TRUNK_STATE)
+  _choice(c, "model.heads.seq_output_norm", SEQ_OUTPUT_NORM)
+  _choice(c, "model.remat_policy", REMAT_POLICIES)
+  _choice(c, "model.dtype", DTYPES)
+  for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len"):
+    if int(getattr(m, field)) < 1:
+      _fail(f"model.{field}", f"must be >= 1, got {getattr(m, field)}")
+  if m.n_future < 1:
+    _fail("model.n_future", f"must be >= 1, got {m.n_future}")
+  if m.heads.kind == "parallel" and m.n_future > m.n_layers:
+    _fail("model.n_future", f"parallel heads take their blocks from the trunk, so n_future "
+          f"must be <= model.n_layers ({m.n_layers}), got {m.n_future}")
+  if m.d_model % m.n_heads:
+    _fail("model.n_heads", f"must divide model.d_model ({m.d_model}), got {m.n_heads}")
+  if (m.d_model // m.n_heads) % 2:
+    _fail("model.n_heads", f"head size d_model/n_heads = {m.d_model // m.n_heads} must be even "
+          "for RoPE")
+  if m.n_heads % m.n_kv_heads:
+    _fail("model.n_kv_heads", f"must divide model.n_heads ({m.n_heads}), got {m.n_kv_heads}")
+
+  d = c.data
+  _choice(c, "data.corpus", CORPORA)
+  _choice(c, "data.tokenizer", TOKENIZERS)
+  if d.seq_len <= m.n_future:
+    _fail("data.seq_len", f"must be > model.n_future ({m.n_future}) so every head has a "
+          f"target, got {d.seq_len}")
+  if d.seq_len > m.max_len:
+    _fail("data.seq_len", f"must be <= model.max_len ({m.max_len}), got {d.seq_len}")
+  if d.tokenizer == "sentencepiece" and not d.spm_path:
+    _fail("data.spm_path", "must name a SentencePiece model file when data.tokenizer is "
+          "'sentencepiece'")
+  if d.corpus == "text_folder" and not d.folder:
+    _fail("data.folder", "must name a folder when data.corpus is 'text_folder'")
+  if not 0 <= d.val_percent < 100:
+    _fail("data.val_percent", f"must be in [0, 100), got {d.val_percent}")
+
+  lo = c.loss
+  if lo.token_chunks < 1:
+    _fail("loss.token_chunks", f"must be >= 1, got {lo.token_chunks}")
+  if isinstance(lo.head_weights, (list, tuple)):
+    if len(lo.head_weights) != m.n_future:
+      _fail("loss.head_weights", f"a list needs one weight per head (model.n_future = "
+            f"{m.n_future}), got {len(lo.head_weights)}")
+    if any(w < 0 for w in lo.head_weights):
+      _fail("loss.head_weights", "weights must be >= 0")
+  else:
+    _choice(c, "loss.head_weights", HEAD_WEIGHTS)
+  if not 0 < lo.geometric_decay <= 1:
+    _fail("loss.geometric_decay", f"must be in (0, 1], got {lo.geometric_decay}")
+  if lo.z_loss < 0:
+    _fail("loss.z_loss", f"must be >= 0, got {lo.z_loss}")
+
+  t, o = c.train, c.optim
+  _choice(c, "optim.schedule", SCHEDULES)
+  for field in ("batch_size", "grad_accum", "steps", "log_every", "eval_every",
+                "checkpoint_every", "keep_checkpoints", "eval_batches"):
+    if int(getattr(t, field)) < 1:
+      _fail(f"train.{field}", f"must be >= 1, got {getattr(t, field)}")
+  if t.batch_size % t.grad_accum:
+    _fail("train.grad_accum", f"must divide train.batch_size ({t.batch_size}), got "
+          f"{t.grad_accum}")
+  if o.lr <= 0:
+    _fail("optim.lr", f"must be > 0, got {o.lr}")
+  if o.warmup_steps < 0:
+    _fail("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+  if o.max_consecutive_nonfinite < 1:
+    _fail("optim.max_consecutive_nonfinite", f"must be >= 1, got {o.max_consecutive_nonfinite}")
+  for axis in ("data", "fsdp", "tensor"):
+    v = getattr(c.mesh, axis)
+    if v != -1 and v < 1:
+      _fail(f"mesh.{axis}", f"must be -1 (fill) or >= 1, got {v}")
+  return c

@@ -119,6 +119,7 @@ def base_config() -> ml_collections.ConfigDict:
       ("layers", None),
       ("mtp_heads", None),
       ("norm", None),
+      ("concat", None),
       ("seq", None),
   )
   return c
@@ -190,8 +191,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("data.val_percent", f"must be in [0, 100), got {d.val_percent}")
 
   lo = c.loss
-  if lo.token_chunks < 1:
-    _fail("loss.token_chunks", f"must be >= 1, got {lo.token_chunks}")
+  if lo.token_chunks < 1 or d.seq_len % lo.token_chunks:
+    _fail("loss.token_chunks", f"must be >= 1 and divide data.seq_len ({d.seq_len}), got "
+          f"{lo.token_chunks}")
   if isinstance(lo.head_weights, (list, tuple)):
     if len(lo.head_weights) != m.n_future:
       _fail("loss.head_weights", f"a list needs one weight per head (model.n_future = "

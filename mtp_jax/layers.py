@@ -1,0 +1,194 @@
+"""Llama-style building blocks: RMSNorm, RoPE, grouped-query attention with an optional KV cache,
+SwiGLU MLP, and the pre-norm Block that trunk, parallel heads and sequential depths all share.
+
+Shape suffixes: B batch, S sequence (query) positions, T key positions, L cache length, D model
+width, H attention heads, K kv heads, G query heads per kv head, E head size, F MLP width.
+Every parameter carries logical axis names; `mtp_jax.sharding` maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Cache = dict[str, jax.Array]  # {"k": [B, L, K, E], "v": [B, L, K, E]}
+_NEG = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+  """Hashable model hyper-parameters, read once from `config.model` by `from_config`."""
+  vocab_size: int
+  d_model: int
+  n_trunk: int  # trunk blocks (parallel heads: n_layers - n_future, the rest are head blocks)
+  n_future: int
+  n_heads: int
+  n_kv_heads: int
+  d_ff: int
+  max_len: int
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  remat_policy: str = "none"
+  scan_layers: bool = True
+  dtype: Any = jnp.float32
+  head_kind: str = "parallel"
+  seq_concat: str = "emb_first"
+  seq_trunk_state: str = "post_norm"
+  seq_output_norm: str = "per_module"
+
+  @classmethod
+  def from_config(cls, m) -> "ModelArgs":
+    n_trunk = m.n_layers - m.n_future if m.heads.kind == "parallel" else m.n_layers
+    return cls(
+        vocab_size=m.vocab_size, d_model=m.d_model, n_trunk=n_trunk, n_future=m.n_future,
+        n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, d_ff=m.d_ff, max_len=m.max_len,
+        rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
+        remat_policy=m.remat_policy, scan_layers=m.scan_layers,
+        dtype=jnp.dtype(m.dtype), head_kind=m.heads.kind, seq_concat=m.heads.seq_concat,
+        seq_trunk_state=m.heads.seq_trunk_state, seq_output_norm=m.heads.seq_output_norm)
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+
+def dense_init(axes):
+  """LeCun-normal (1/sqrt(fan_in)) init with logical axis names."""
+  return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
+
+
+def remat(module_cls, policy: str, static_argnums=()):
+  """Wraps a module class in nn.remat with the configured checkpoint policy ('none': as is)."""
+  if policy == "none":
+    return module_cls
+  policies = {
+      "full": jax.checkpoint_policies.nothing_saveable,
+      "dots_saveable": jax.checkpoint_policies.dots_saveable,
+      "dots_with_no_batch_dims_saveable":
+          jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  }
+  return nn.remat(module_cls, policy=policies[policy], prevent_cse=False,
+                  static_argnums=static_argnums)
+
+
+def norm_param(module: nn.Module, name: str, dim: int):
+  return module.param(name, nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                      (dim,), jnp.float32)
+
+
+def rms_norm(x_BxSxD, scale_D, eps: float, dtype=None):
+  x = x_BxSxD.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return (x * scale_D).astype(dtype or x_BxSxD.dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float = 1e-5
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BxSxD):
+    return rms_norm(x_BxSxD, norm_param(self, "scale", x_BxSxD.shape[-1]), self.eps, self.dtype)
+
+
+def rope(x_BxSxHxE, positions_BxS, theta: float):
+  """Rotary embedding, rotate-half layout (HF Llama); Meta's interleaved-pair checkpoints need
+  their q/k rows permuted on import."""
+  half = x_BxSxHxE.shape[-1] // 2
+  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  ang_BxSx1xE2 = positions_BxS[:, :, None, None].astype(jnp.float32) * freq
+  sin, cos = jnp.sin(ang_BxSx1xE2), jnp.cos(ang_BxSx1xE2)
+  x = x_BxSxHxE.astype(jnp.float32)
+  x1, x2 = x[..., :half], x[..., half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxSxHxE.dtype)
+
+
+class Attention(nn.Module):
+  """Causal grouped-query attention. Without a cache, query t sees keys s <= t of its own
+  segment (packed documents never attend to each other). With a cache, the new keys are written
+  at `positions` and query t sees cache slots s <= t: stale slots past a row's length are never
+  read before being overwritten, which is what makes rollback-by-length decoding exact."""
+  args: ModelArgs
+
+  @nn.compact
+  def __call__(self, x_BxSxD, positions_BxS, segment_ids_BxS=None, cache: Cache | None = None):
+    a = self.args
+    H, K, E = a.n_heads, a.n_kv_heads, a.head_dim
+    G = H // K
+    proj = lambda feats, axes, name: nn.DenseGeneral(
+        feats, use_bias=False, dtype=a.dtype, kernel_init=dense_init(axes), name=name)
+    q_BxSxHxE = proj((H, E), ("embed", "heads", "head_dim"), "wq")(x_BxSxD)
+    k_BxSxKxE = proj((K, E), ("embed", "kv_heads", "head_dim"), "wk")(x_BxSxD)
+    v_BxSxKxE = proj((K, E), ("embed", "kv_heads", "head_dim"), "wv")(x_BxSxD)
+    q_BxSxHxE = rope(q_BxSxHxE, positions_BxS, a.rope_theta)
+    k_BxSxKxE = rope(k_BxSxKxE, positions_BxS, a.rope_theta)
+
+    if cache is None:
+      k_BxTxKxE, v_BxTxKxE = k_BxSxKxE, v_BxSxKxE
+      mask_BxSxT = positions_BxS[:, :, None] >= positions_BxS[:, None, :]
+      if segment_ids_BxS is not None:
+        mask_BxSxT &= segment_ids_BxS[:, :, None] == segment_ids_BxS[:, None, :]
+      new_cache = None
+    else:
+      B = x_BxSxD.shape[0]
+      rows_Bx1 = jnp.arange(B)[:, None]
+      k_BxTxKxE = cache["k"].at[rows_Bx1, positions_BxS].set(k_BxSxKxE.astype(cache["k"].dtype))
+      v_BxTxKxE = cache["v"].at[rows_Bx1, positions_BxS].set(v_BxSxKxE.astype(cache["v"].dtype))
+      new_cache = {"k": k_BxTxKxE, "v": v_BxTxKxE}
+      key_pos_T = jnp.arange(k_BxTxKxE.shape[1])
+      mask_BxSxT = key_pos_T[None, None, :] <= positions_BxS[:, :, None]
+
+    B, S = q_BxSxHxE.shape[:2]
+    q_BxSxKxGxE = q_BxSxHxE.reshape(B, S, K, G, E)
+    logits_BxKxGxSxT = jnp.einsum("bskge,btke->bkgst", q_BxSxKxGxE, k_BxTxKxE.astype(a.dtype),
+                                  preferred_element_type=jnp.float32) / jnp.sqrt(E)
+    logits_BxKxGxSxT = jnp.where(mask_BxSxT[:, None, None], logits_BxKxGxSxT, _NEG)
+    probs = jax.nn.softmax(logits_BxKxGxSxT, axis=-1).astype(a.dtype)
+    out_BxSxKxGxE = jnp.einsum("bkgst,btke->bskge", probs, v_BxTxKxE.astype(a.dtype))
+    out_BxSxHxE = out_BxSxKxGxE.reshape(B, S, H, E)
+    out_BxSxD = nn.DenseGeneral(a.d_model, axis=(-2, -1), use_bias=False, dtype=a.dtype,
+                                kernel_init=dense_init(("heads", "head_dim", "embed")),
+                                name="wo")(out_BxSxHxE)
+    return out_BxSxD, new_cache
+
+
+class SwiGLU(nn.Module):
+  args: ModelArgs
+
+  @nn.compact
+  def __call__(self, x_BxSxD):
+    a = self.args
+    dense = lambda feats, axes, name: nn.Dense(
+        feats, use_bias=False, dtype=a.dtype, kernel_init=dense_init(axes), name=name)
+    gate_BxSxF = dense(a.d_ff, ("embed", "mlp"), "w1")(x_BxSxD)
+    up_BxSxF = dense(a.d_ff, ("embed", "mlp"), "w3")(x_BxSxD)
+    return dense(a.d_model, ("mlp", "embed"), "w2")(nn.silu(gate_BxSxF) * up_BxSxF)
+
+
+class Block(nn.Module):
+  """Pre-norm transformer block (Llama): x + Attn(norm(x)), then + SwiGLU(norm(x)).
+  Signature fits nn.scan (carry first) and nn.vmap alike; returns (x, new_cache)."""
+  args: ModelArgs
+
+  @nn.compact
+  def __call__(self, x_BxSxD, positions_BxS, segment_ids_BxS=None, cache=None):
+    a = self.args
+    h, new_cache = Attention(a, name="attention")(
+        RMSNorm(a.norm_eps, a.dtype, name="attention_norm")(x_BxSxD), positions_BxS,
+        segment_ids_BxS, cache)
+    x_BxSxD = x_BxSxD + h
+    x_BxSxD = x_BxSxD + SwiGLU(a, name="feed_forward")(
+        RMSNorm(a.norm_eps, a.dtype, name="ffn_norm")(x_BxSxD))
+    return x_BxSxD, new_cache
+
+
+def init_cache(args: ModelArgs, n_blocks: int, batch: int, length: int, dtype=jnp.float32):
+  """Zeroed KV cache for `n_blocks` stacked blocks: {"k", "v"} of [n_blocks, B, L, K, E]."""
+  shape = (n_blocks, batch, length, args.n_kv_heads, args.head_dim)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

@@ -1,0 +1,149 @@
+"""Per-head multi-token cross-entropy with O(V + d) logit memory (Gloeckle et al. 2024 §2, Fig. 2).
+
+    L_n = sum_i lambda_i * mean_t [ -log p_i(x_{t+i} | x_{<=t}) ]
+
+Head i's target at position t is x_{t+i}; the last i positions of every row, padding (segment id
+0) and positions whose target lies in another packed document are dropped. Each head is averaged
+over its own tokens, then the heads are summed with weights lambda_i (1.0 in the paper;
+DeepSeek-V3: 1 for the main head and lambda / D for each of the D depths).
+
+Memory: `lax.scan` over heads with a `jax.checkpoint` body that saves nothing, so the backward
+pass recomputes one head's logits at a time: only one [B, S, V] block is alive instead of N.
+`token_chunks` tiles each head along the sequence to bound it further, [B, S / C, V].
+(`dots_with_no_batch_dims_saveable` would save every head's logits: measured, see DESIGN.md.)
+Nothing goes through Flax intermediates: the loss and metrics are returned.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from mtp_jax.model import unembedding
+
+_SAVE_NOTHING = jax.checkpoint_policies.nothing_saveable
+
+
+def head_weights(config: ml_collections.ConfigDict) -> np.ndarray:
+  """lambda_i for i = 1..n_future from `config.loss`."""
+  n, lo = config.model.n_future, config.loss
+  if isinstance(lo.head_weights, (list, tuple)):
+    return np.asarray(lo.head_weights, np.float32)
+  if lo.head_weights == "uniform":
+    return np.ones(n, np.float32)
+  if lo.head_weights == "geometric":
+    return lo.geometric_decay ** np.arange(n, dtype=np.float32)
+  if lo.head_weights == "deepseek":  # DeepSeek-V3 eq. 25: L_main + lambda / D * sum_k L_k
+    return np.asarray([1.0] + [lo.mtp_lambda / max(n - 1, 1)] * (n - 1), np.float32)
+  raise ValueError(f"config.loss.head_weights: unknown {lo.head_weights!r}")
+
+
+def targets_and_mask(tokens_BxS, segment_ids_BxS, n_future: int):
+  """tgt_NxBxS[i, b, t] = tokens[b, t + i + 1]; mask_NxBxS says which of them count."""
+  B, S = tokens_BxS.shape
+  t_S = jnp.arange(S)
+  tgts, masks = [], []
+  for k in range(1, n_future + 1):
+    tgt_BxS = jnp.pad(tokens_BxS[:, k:], ((0, 0), (0, k)))
+    mask_BxS = jnp.broadcast_to(t_S < S - k, (B, S))
+    if segment_ids_BxS is not None:
+      seg_tgt_BxS = jnp.pad(segment_ids_BxS[:, k:], ((0, 0), (0, k)))
+      mask_BxS = mask_BxS & (segment_ids_BxS != 0) & (seg_tgt_BxS == segment_ids_BxS)
+    tgts.append(tgt_BxS)
+    masks.append(mask_BxS)
+  return jnp.stack(tgts), jnp.stack(masks)
+
+
+def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT):
+  """Summed NLL and summed lse^2 over the masked tokens, and the argmax, for one tile."""
+  logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, unembed_DxV.astype(h_BxTxD.dtype),
+                            preferred_element_type=jnp.float32)
+  lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+  tgt_logit_BxT = jnp.take_along_axis(logits_BxTxV, tgt_BxT[..., None], axis=-1)[..., 0]
+  m = mask_BxT.astype(jnp.float32)
+  nll = jnp.sum((lse_BxT - tgt_logit_BxT) * m)
+  zsq = jnp.sum(jnp.square(lse_BxT) * m)
+  return nll, zsq, jnp.argmax(logits_BxTxV, axis=-1).astype(jnp.int32)
+
+
+def _summarise(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS, weights_N, z_loss):
+  """Scalar loss and per-head metrics from per-head sums and argmaxes."""
+  count_N = jnp.sum(mask_NxBxS, axis=(1, 2)).astype(jnp.float32)
+  denom_N = jnp.maximum(count_N, 1.0)
+  head_loss_N = nll_N / denom_N
+  loss = jnp.sum(jnp.asarray(weights_N) * (head_loss_N + z_loss * zsq_N / denom_N))
+  correct_N = jnp.sum((pred_NxBxS == tgt_NxBxS) & mask_NxBxS, axis=(1, 2))
+  # Draft-acceptance proxy: head k at t against head 1's greedy choice at t + k - 1 (the same
+  # target position), over head k's valid positions.
+  N, _, S = pred_NxBxS.shape
+  agree = []
+  for k in range(N):
+    head1_at_BxS = jnp.pad(pred_NxBxS[0][:, k:], ((0, 0), (0, k)))
+    agree.append(jnp.sum((pred_NxBxS[k] == head1_at_BxS) & mask_NxBxS[k]))
+  metrics = {
+      "loss": loss,
+      "head_loss": head_loss_N,
+      "head_acc": correct_N / denom_N,
+      "head_agree": jnp.stack(agree) / denom_N,
+      "head_tokens": count_N,
+  }
+  return loss, metrics
+
+
+def mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
+             token_chunks: int = 1, z_loss: float = 0.0):
+  """Memory-lean MTP loss. Returns (scalar loss, metrics with per-head [N] arrays)."""
+  N, B, S, D = h_NxBxSxD.shape
+  C = token_chunks
+  if S % C:
+    raise ValueError(f"config.loss.token_chunks: must divide the sequence length {S}, got {C}")
+  tgt_NxBxS, mask_NxBxS = targets_and_mask(tokens_BxS, segment_ids_BxS, N)
+
+  def tile(_, xs):
+    return None, _token_stats(xs[0], unembed_DxV, xs[1], xs[2])
+
+  def head(_, xs):
+    h_BxSxD, tgt_BxS, mask_BxS = xs
+    if C == 1:
+      return None, _token_stats(h_BxSxD, unembed_DxV, tgt_BxS, mask_BxS)
+    split = lambda a: jnp.moveaxis(a.reshape(B, C, S // C, *a.shape[2:]), 1, 0)
+    _, (nll_C, zsq_C, pred_CxBxT) = jax.lax.scan(
+        jax.checkpoint(tile, policy=_SAVE_NOTHING), None,
+        (split(h_BxSxD), split(tgt_BxS), split(mask_BxS)))
+    return None, (nll_C.sum(), zsq_C.sum(), jnp.moveaxis(pred_CxBxT, 0, 1).reshape(B, S))
+
+  _, (nll_N, zsq_N, pred_NxBxS) = jax.lax.scan(
+      jax.checkpoint(head, policy=_SAVE_NOTHING), None, (h_NxBxSxD, tgt_NxBxS, mask_NxBxS))
+  return _summarise(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS, weights_N, z_loss)
+
+
+def naive_mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
+                   z_loss: float = 0.0):
+  """Reference: every head's logits materialised at once, O(nV + d). Tests and benchmarks."""
+  N = h_NxBxSxD.shape[0]
+  tgt_NxBxS, mask_NxBxS = targets_and_mask(tokens_BxS, segment_ids_BxS, N)
+  logits_NxBxSxV = jnp.einsum("nbsd,dv->nbsv", h_NxBxSxD,
+                              unembed_DxV.astype(h_NxBxSxD.dtype),
+                              preferred_element_type=jnp.float32)
+  logp_NxBxSxV = jax.nn.log_softmax(logits_NxBxSxV, axis=-1)
+  lse_NxBxS = jax.nn.logsumexp(logits_NxBxSxV, axis=-1)
+  m = mask_NxBxS.astype(jnp.float32)
+  nll_N = -jnp.sum(jnp.take_along_axis(logp_NxBxSxV, tgt_NxBxS[..., None], -1)[..., 0] * m,
+                   axis=(1, 2))
+  zsq_N = jnp.sum(jnp.square(lse_NxBxS) * m, axis=(1, 2))
+  pred_NxBxS = jnp.argmax(logits_NxBxSxV, axis=-1).astype(jnp.int32)
+  return _summarise(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS, weights_N, z_loss)
+
+
+def model_loss(params, model, config, batch, *, naive: bool = False):
+  """Forward the model and the loss from a config: what train_step and the tests call."""
+  h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
+  w = head_weights(config)
+  if naive:
+    return naive_mtp_loss(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
+                          batch.get("segment_ids"), w, z_loss=config.loss.z_loss)
+  return mtp_loss(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
+                  batch.get("segment_ids"), w, token_chunks=config.loss.token_chunks,
+                  z_loss=config.loss.z_loss)

@@ -1,0 +1,127 @@
+"""The MTP transformer: embedding, trunk (nn.scan + nn.remat over blocks), and a head kind from
+the registry in `heads.py`. `apply` returns per-head hidden states h_NxBxSxD (normalised) and,
+when decoding, the updated KV cache; never the logits of all heads at once. The loss (and the
+decoder) unembed with `unembedding(params, args)`.
+
+Gloeckle et al. 2024 §2: z = f_s(x), h_i = f_{h_i}(z), p_i = softmax(f_u(h_i)).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from mtp_jax import config as config_lib
+from mtp_jax.heads import HEADS, Shared, head_cache_blocks
+from mtp_jax.layers import Block, ModelArgs, init_cache, norm_param, remat
+
+
+class Trunk(nn.Module):
+  """`args.n_trunk` pre-norm blocks. With scan_layers, params are stacked on a leading `layers`
+  axis and compile time stays flat in depth; otherwise an unrolled loop (same maths, used by the
+  scan-equals-unrolled test)."""
+  args: ModelArgs
+
+  @nn.compact
+  def __call__(self, x_BxSxD, positions_BxS, segment_ids_BxS=None, cache=None):
+    a = self.args
+    if a.n_trunk == 0:
+      return x_BxSxD, cache
+    block = remat(Block, a.remat_policy)
+    if a.scan_layers:
+      stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(nn.broadcast, nn.broadcast, 0), length=a.n_trunk,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+      return stack(a, name="layers")(x_BxSxD, positions_BxS, segment_ids_BxS, cache)
+    new_caches = []
+    for i in range(a.n_trunk):
+      layer_cache = None if cache is None else jax.tree.map(lambda c: c[i], cache)
+      x_BxSxD, c = block(a, name=f"layers_{i}")(x_BxSxD, positions_BxS, segment_ids_BxS,
+                                                layer_cache)
+      new_caches.append(c)
+    if cache is None:
+      return x_BxSxD, None
+    return x_BxSxD, jax.tree.map(lambda *c: jnp.stack(c), *new_caches)
+
+
+class MTPModel(nn.Module):
+  """tokens_BxS -> (h_NxBxSxD, cache). Pass `cache` (from `init_decode_cache`) and absolute
+  `positions_BxS` to decode; `chain=True` makes sequential depths read their own drafts."""
+  args: ModelArgs
+
+  @nn.compact
+  def __call__(self, tokens_BxS, segment_ids_BxS=None, positions_BxS=None, cache=None, *,
+               embeddings_BxSxD=None, chain: bool = False):
+    a = self.args
+    B, S = tokens_BxS.shape
+    if positions_BxS is None:
+      positions_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    embed = nn.Embed(a.vocab_size, a.d_model, dtype=a.dtype, name="embed",
+                     embedding_init=nn.with_logical_partitioning(
+                         nn.initializers.normal(0.02), ("vocab", "embed")))
+    x_BxSxD = embed(tokens_BxS) if embeddings_BxSxD is None else embeddings_BxSxD
+    z_BxSxD, trunk_cache = Trunk(a, name="trunk")(
+        x_BxSxD, positions_BxS, segment_ids_BxS, None if cache is None else cache["trunk"])
+    if a.tie_embeddings:
+      unembed_DxV = embed.embedding.T
+    else:
+      unembed_DxV = self.param("unembed", nn.with_logical_partitioning(
+          nn.initializers.normal(a.d_model ** -0.5), ("embed", "vocab")),
+                               (a.d_model, a.vocab_size), jnp.float32)
+    shared = Shared(x_BxSxD=x_BxSxD, positions_BxS=positions_BxS,
+                    segment_ids_BxS=segment_ids_BxS, norm_D=norm_param(self, "norm", a.d_model),
+                    embed_VxD=embed.embedding, unembed_DxV=unembed_DxV)
+    h_NxBxSxD, head_cache = HEADS[a.head_kind](a, name="heads")(
+        z_BxSxD, shared, None if cache is None else cache["heads"], chain)
+    new_cache = None if cache is None else {"trunk": trunk_cache, "heads": head_cache}
+    return h_NxBxSxD, new_cache
+
+
+def model_args(config: ml_collections.ConfigDict) -> ModelArgs:
+  config_lib.validate(config)
+  return ModelArgs.from_config(config.model)
+
+
+def build_model(config: ml_collections.ConfigDict) -> MTPModel:
+  """Validates the config and returns the (unbound) model."""
+  return MTPModel(model_args(config))
+
+
+def init_params(model: MTPModel, rng: jax.Array, seq_len: int = 8) -> Any:
+  """Plain parameter pytree (logical-partitioning boxes removed)."""
+  tokens = jnp.zeros((1, seq_len), jnp.int32)
+  return nn.unbox(model.init(rng, tokens)["params"])
+
+
+def logical_axes(model: MTPModel, seq_len: int = 8) -> Any:
+  """Pytree of PartitionSpecs of logical axis names, matching `init_params`."""
+  tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+  boxed = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t), tokens)
+  return nn.get_partition_spec(boxed)["params"]
+
+
+def unembedding(params, args: ModelArgs) -> jax.Array:
+  """The shared output matrix W_DxV (the transposed embedding when tied)."""
+  return params["embed"]["embedding"].T if args.tie_embeddings else params["unembed"]
+
+
+def logits(params, args: ModelArgs, h_NxBxSxD) -> jax.Array:
+  """Logits of the given heads, f32: for decoding and tests; the loss never calls this."""
+  return jnp.einsum("nbsd,dv->nbsv", h_NxBxSxD, unembedding(params, args).astype(h_NxBxSxD.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def init_decode_cache(args: ModelArgs, batch: int, length: int, dtype=jnp.float32):
+  """Zeroed KV caches for the trunk and every attention block of the heads."""
+  n_head_blocks = head_cache_blocks(args)
+  return {"trunk": init_cache(args, args.n_trunk, batch, length, dtype),
+          "heads": init_cache(args, n_head_blocks, batch, length, dtype)
+          if n_head_blocks else None}
+
+
+def param_count(params) -> int:
+  return sum(int(x.size) for x in jax.tree.leaves(params))

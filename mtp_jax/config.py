@@ -102,6 +102,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 200
   c.train.keep_checkpoints = 3
   c.train.async_checkpoints = True
+  c.train.debug_nonfinite_steps = ()  # fault injection for tests: steps whose grads become NaN
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1 takes the devices the other axes leave

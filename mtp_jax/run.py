@@ -1,0 +1,226 @@
+"""The training loop behind `python -m mtp_jax.train`: data, resume, progress, eval, checkpoints,
+signals, summary. Library pieces (state, steps) are in train.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from mtp_jax import config as config_lib
+from mtp_jax import optimizer as optim_lib
+from mtp_jax import sharding as shard_lib
+from mtp_jax import train as train_lib
+from mtp_jax.checkpoint import Checkpointer
+from mtp_jax.data import pipeline, tokenizers
+from mtp_jax.model import build_model, param_count
+
+
+class NonFiniteError(RuntimeError):
+  pass
+
+
+class _StopFlag:
+  """SIGTERM / SIGINT set a flag; the loop saves and exits at the next step boundary (orbax's own
+  preemption check needs jax.distributed and does nothing in a single process)."""
+
+  def __init__(self):
+    self.signum = None
+    self._old = {}
+
+  def __enter__(self):
+    for s in (signal.SIGTERM, signal.SIGINT):
+      self._old[s] = signal.signal(s, self._set)
+    return self
+
+  def _set(self, signum, _frame):
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for s, old in self._old.items():
+      signal.signal(s, old)
+
+
+def check_inputs(config: ml_collections.ConfigDict, workdir: str | None):
+  """Everything that can be wrong with the command line, before anything is written."""
+  if config is None:
+    raise ValueError("--config: required, e.g. --config configs/default.py")
+  if not workdir:
+    raise ValueError("--workdir: required, the folder for checkpoints and metrics")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"--workdir: {workdir!r} exists and is not a folder")
+  config_lib.validate(config)
+  tok = tokenizers.get_tokenizer(config.data)
+  if tok.vocab_size > config.model.vocab_size:
+    raise ValueError(f"config.model.vocab_size: the {config.data.tokenizer} tokenizer has "
+                     f"{tok.vocab_size} ids, so it must be >= {tok.vocab_size}, got "
+                     f"{config.model.vocab_size}")
+
+
+def evaluate(eval_step, params, config, batch_sharding) -> dict:
+  """Token-weighted mean of per-head loss / accuracy / agreement over the first
+  `train.eval_batches` validation batches (the same ones every time)."""
+  it = pipeline.make_iterator(config, "validation", repeat=False)
+  sums, total = None, None
+  for _, batch in zip(range(config.train.eval_batches), it):
+    m = jax.device_get(eval_step(params, jax.device_put(batch, batch_sharding)))
+    w = np.asarray(m["head_tokens"])
+    part = {k: np.asarray(m[k]) * w for k in ("head_loss", "head_acc", "head_agree")}
+    sums = part if sums is None else {k: sums[k] + part[k] for k in part}
+    total = w if total is None else total + w
+  if sums is None:
+    logging.warning("validation split is empty: no eval")
+    return {}
+  out = {k: v / np.maximum(total, 1) for k, v in sums.items()}
+  out["head_tokens"] = total
+  return out
+
+
+def _fmt_heads(values) -> str:
+  return " ".join(f"{v:.3f}" for v in np.asarray(values))
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Runs (or resumes) training to config.train.steps; returns the summary it writes."""
+  t_start = time.time()
+  train_it = pipeline.make_iterator(config, "train")
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+  mesh = shard_lib.make_mesh(config)
+  model = build_model(config)
+  tx = optim_lib.make_optimizer(config)
+  state_sh = train_lib.state_shardings(model, tx, config, mesh)
+  batch_sh = shard_lib.batch_sharding(mesh)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints,
+                      async_save=config.train.async_checkpoints)
+  restored = ckpt.restore_latest(train_lib.abstract_state(model, tx, config, mesh), train_it)
+  if restored is None:
+    state = train_lib.init_state(model, tx, config, mesh, jax.random.PRNGKey(config.seed))
+  else:
+    state = restored[0]
+  start, steps = int(state.step), config.train.steps
+  n_params = param_count(state.params)
+  print(f"{'resuming at' if restored else 'starting'} step {start}/{steps}: "
+        f"{n_params:,} params, {config.model.heads.kind} heads, n_future "
+        f"{config.model.n_future}, {len(jax.devices())} {jax.devices()[0].platform} device(s)",
+        flush=True)
+
+  train_step = jax.jit(train_lib.make_train_step(model, tx, config),
+                       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
+                       donate_argnums=0)
+  eval_step = jax.jit(train_lib.make_eval_step(model, config))
+  from tensorboardX import SummaryWriter  # heavy import, only for real runs
+  writer = SummaryWriter(workdir)
+  metrics_f = open(os.path.join(workdir, "metrics.jsonl"), "a")
+  batches_f = open(os.path.join(workdir, "batches.log"), "a")
+  tokens_per_step = config.train.batch_size * config.data.seq_len
+  last = {"train": {}, "eval": {}}
+  pending = None
+  t_log, step_log, t_first = time.time(), start, None
+
+  def log(kind, step, values):
+    flat = train_lib.head_summary(values, prefix=f"{kind}/")
+    for k, v in flat.items():
+      writer.add_scalar(k, v, step)
+    metrics_f.write(json.dumps({"step": step, **flat}) + "\n")
+    metrics_f.flush()
+    last[kind] = flat
+
+  def handle(step, metrics):
+    nonlocal t_log, step_log
+    m = jax.device_get(metrics)
+    if int(m["nonfinite_consecutive"]) >= config.optim.max_consecutive_nonfinite:
+      raise NonFiniteError(
+          f"{int(m['nonfinite_consecutive'])} consecutive non-finite steps at step {step} "
+          f"(optim.max_consecutive_nonfinite = {config.optim.max_consecutive_nonfinite}); "
+          f"stopped, the last good checkpoint in {ckpt.directory} is kept")
+    if step % config.train.log_every == 0 or step == steps:
+      now = time.time()
+      tps = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
+      m["tokens_per_sec"] = tps
+      log("train", step, m)
+      eta = (steps - step) * tokens_per_step / max(tps, 1e-9)
+      print(f"step {step}/{steps} loss {float(m['loss']):.4f} heads [{_fmt_heads(m['head_loss'])}]"
+            f" acc1 {float(m['head_acc'][0]):.3f} {tps:,.0f} tok/s ETA {eta:,.0f}s"
+            + (f" skipped {int(m['nonfinite_total'])}" if int(m["nonfinite_total"]) else ""),
+            flush=True)
+      t_log, step_log = now, step
+
+  with _StopFlag() as stop:
+    for step in range(start, steps):
+      batch = next(train_it)
+      batches_f.write(f"{step} {train_lib.batches_sha256([batch])}\n")
+      state, metrics = train_step(state, jax.device_put(batch, batch_sh))
+      if pending is not None:
+        handle(*pending)  # metrics read one step late: no host sync on the step just issued
+      pending = (step + 1, metrics)
+      if t_first is None:
+        t_first = time.time()  # excludes the first step's compile from tokens/s
+      done = step + 1
+      if done % config.train.eval_every == 0 or done == steps:
+        ev = evaluate(eval_step, state.params, config, batch_sh)
+        if ev:
+          log("eval", done, ev)
+          print(f"eval step {done}: loss [{_fmt_heads(ev['head_loss'])}] acc "
+                f"[{_fmt_heads(ev['head_acc'])}] agree [{_fmt_heads(ev['head_agree'])}]",
+                flush=True)
+      if done % config.train.checkpoint_every == 0 or done == steps or stop.signum:
+        ckpt.save(done, state, train_it, force=True)
+      if stop.signum:
+        handle(*pending)
+        pending = None
+        ckpt.wait()
+        print(f"signal {stop.signum}: saved step {done}, exiting", flush=True)
+        break
+    if pending is not None:
+      handle(*pending)
+  ckpt.wait()
+  ckpt.close()
+  batches_f.close()
+  metrics_f.close()
+  writer.close()
+
+  step = int(state.step)
+  run_steps = max(step - start - 1, 0)
+  run_secs = time.time() - t_first if t_first else 0.0
+  summary = {
+      "step": step,
+      "steps": steps,
+      "n_params": n_params,
+      "tokens_seen": step * tokens_per_step,
+      "tokens_per_sec": run_steps * tokens_per_step / run_secs if run_steps and run_secs else 0.0,
+      "wall_seconds": time.time() - t_start,
+      "params_sha256": train_lib.params_sha256(state.params),
+      "head_kind": config.model.heads.kind,
+      "n_future": config.model.n_future,
+      "interrupted": bool(stop.signum),
+      **last["train"],
+      **last["eval"],
+  }
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def cli_main(flags_) -> int:
+  """Exit status: 0 done, 2 bad input (one line on stderr), 3 non-finite training stopped."""
+  try:
+    check_inputs(flags_.config, flags_.workdir)
+    summary = train(flags_.config, flags_.workdir)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except NonFiniteError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 3
+  print(json.dumps({k: summary[k] for k in ("step", "params_sha256", "tokens_per_sec")}))
+  return 0

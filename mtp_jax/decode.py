@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,8 @@ class DecodeResult:
   cycles: np.ndarray  # [B] verification forwards each row took part in (prefill excluded)
   accepted_hist: np.ndarray  # [k] how often 0..k-1 drafts were accepted, over row-cycles
   forwards: int  # model calls: prefill + cycles
+  seconds: float = 0.0  # wall time of the compiled decode (compilation excluded)
+  compile_seconds: float = 0.0
 
   @property
   def tokens_per_forward(self) -> float:
@@ -149,12 +152,22 @@ def decode(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k: in
   for b, p in enumerate(prompts):
     prompt_BxP[b, :len(p)] = p
   lens_B = np.asarray([len(p) for p in prompts], np.int32)
-  out = _decode(params_k, prompt_BxP, lens_B, args=args_k, max_new_tokens=max_new_tokens,
-                eos_id=eos_id, pad_id=pad_id)
-  tokens, n_out, cycles, hist, forwards = jax.device_get(out)
+  key = (args_k, prompt_BxP.shape, max_new_tokens, eos_id, pad_id)
+  t0 = time.perf_counter()
+  if key not in _COMPILED:
+    _COMPILED[key] = _decode.lower(params_k, prompt_BxP, lens_B, args=args_k,
+                                   max_new_tokens=max_new_tokens, eos_id=eos_id,
+                                   pad_id=pad_id).compile()
+  t1 = time.perf_counter()
+  tokens, n_out, cycles, hist, forwards = jax.device_get(_COMPILED[key](params_k, prompt_BxP,
+                                                                        lens_B))
+  t2 = time.perf_counter()
   return DecodeResult(tokens=np.asarray(tokens), lengths=np.asarray(n_out),
                       cycles=np.asarray(cycles), accepted_hist=np.asarray(hist),
-                      forwards=int(forwards))
+                      forwards=int(forwards), seconds=t2 - t1, compile_seconds=t1 - t0)
+
+
+_COMPILED: dict = {}  # (args, shapes, ...) -> compiled decode; params are arguments, not keys
 
 
 def greedy(params, args: ModelArgs, prompts: list, **kw) -> DecodeResult:

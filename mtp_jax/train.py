@@ -148,9 +148,16 @@ def head_summary(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 FLAGS = flags.FLAGS
 
 
+def quiet_logs():
+  """Orbax logs every save step at INFO; keep the console for progress unless -v is given."""
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+
+
 def main(argv):
   from mtp_jax import run  # local: run imports this module
   del argv
+  quiet_logs()
   sys.exit(run.cli_main(FLAGS))
 
 

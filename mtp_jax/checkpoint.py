@@ -1,0 +1,296 @@
+"""Checkpoints: the train state and the data-iterator state, saved by orbax, restored with checks.
+
+One `orbax.checkpoint.CheckpointManager` over `<workdir>/checkpoints`, one folder per step:
+
+  <checkpoints>/<step>/state/...            the state pytree (orbax StandardSave, OCDBT)
+  <checkpoints>/<step>/data_iter/process_<i>-of-<n>.json
+                                            grain's own orbax handler: one file per process,
+                                            so every host resumes its own shard of the input
+  <checkpoints>/corrupt-<step>-<n>/         a step that failed to restore, moved aside (never
+                                            deleted: a person may still want to look at it)
+
+Why the checks. Measured with orbax-checkpoint 0.12.8 (see DESIGN.md):
+- An empty or partial step folder is still listed as the latest step, and a restore without
+  arguments returns `{}` with no error. So `restore_latest` reads the step's metadata, restores
+  into the caller's tree, checks structure, shapes, dtypes and the iterator state, and on any
+  failure moves the step aside and tries the one before.
+- A step whose metadata is readable but describes another tree (another model size, another
+  optimizer) is not corrupt: it is the wrong run. That raises `ValueError` at once and moves
+  nothing, so a config change cannot shunt every checkpoint of a run aside.
+- Old steps are garbage-collected by orbax (`max_to_keep`) in its save-finalize thread, after the
+  new step's background commit has been joined and checked; a failed commit raises before that
+  deletion, so the last good step survives it (tests/test_checkpoint.py injects that failure).
+- Orbax's save captures arrays to host before it returns and grain's handler is synchronous, so
+  the train loop may donate the state and advance the iterator right after `save` returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Any
+
+from etils import epath
+import grain.checkpoint as grain_checkpoint
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+STATE = "state"
+DATA_ITER = "data_iter"
+CORRUPT_PREFIX = "corrupt-"
+
+
+class _Corrupt(Exception):
+  """A step folder that cannot give back what was saved; the message says why."""
+
+
+class Checkpointer:
+  """Saves and restores (state, data-iterator state) per step, keeping the last `keep` steps.
+
+  `save` is asynchronous when `async_save` is set: it returns once the arrays are copied to
+  host, and the files are written in the background. Call `wait()` before exiting (the SIGTERM
+  path: `save(step, state, it, force=True)` then `wait()`), or `close()`.
+  """
+
+  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
+               save_interval_steps: int = 1):
+    if keep < 1:
+      raise ValueError(f"Checkpointer keep must be at least 1, got {keep}.")
+    self.directory = epath.Path(directory)
+    self._barrier = itertools.count()
+    self._pending_step: int | None = None
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        save_interval_steps=save_interval_steps,
+        enable_async_checkpointing=async_save,
+        # Temporary folders are saves that never committed, not checkpoints anyone saved.
+        cleanup_tmp_directories=True,
+        create=True,
+    )
+    self._mgr = ocp.CheckpointManager(
+        self.directory,
+        options=options,
+        item_handlers={
+            STATE: ocp.StandardCheckpointHandler(),
+            DATA_ITER: grain_checkpoint.CheckpointHandler(),
+        },
+    )
+
+  # Saving.
+
+  def save(self, step: int, state: Any, data_iter: Any = None, *, force: bool = False) -> bool:
+    """Starts saving `state` (and `data_iter`'s position) as `step`; returns whether it did.
+
+    `force=True` saves even off the `save_interval_steps` grid (the SIGTERM save). Either way a
+    step at or below the latest saved one is skipped, returning False: the same step is already
+    on disk (for instance a periodic save just before SIGTERM), and overwriting it would mean
+    deleting a good checkpoint before its replacement is committed (orbax's own overwrite
+    removes the old folder first). A step whose folder was moved aside as corrupt is free again.
+    """
+    self._settle(raise_errors=False)
+    latest = self._mgr.latest_step()
+    if latest is not None and step <= latest:
+      if step == latest:
+        log.info("Checkpoint step %d is already saved in %s; not saving it again.", step,
+                 self.directory)
+      else:
+        log.warning("Not saving checkpoint step %d: %s already holds the later step %d.", step,
+                    self.directory, latest)
+      return False
+    items = {STATE: ocp.args.StandardSave(state)}
+    if data_iter is not None:
+      items[DATA_ITER] = grain_checkpoint.CheckpointSave(data_iter)
+    saved = self._mgr.save(step, args=ocp.args.Composite(**items), force=force)
+    if saved:
+      self._pending_step = step
+    return saved
+
+  def wait(self) -> None:
+    """Blocks until the last save is committed; raises RuntimeError if it failed."""
+    self._settle(raise_errors=True)
+
+  def close(self) -> None:
+    """Waits for the last save (logging, not raising, a failure) and releases orbax's threads."""
+    self._settle(raise_errors=False)
+    self._mgr.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  def _settle(self, *, raise_errors: bool) -> None:
+    """Joins the in-flight save. Orbax re-raises its failure once, so it is reported here once.
+
+    After a failure orbax's in-memory step list is stale (it dropped the steps it meant to
+    delete, which are still on disk), so it is re-read from disk.
+    """
+    step, self._pending_step = self._pending_step, None
+    try:
+      self._mgr.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      self._mgr.reload()
+      msg = f"Saving checkpoint step {step} to {self.directory} failed: {_one_line(e)}"
+      if raise_errors:
+        raise RuntimeError(msg) from e
+      log.error(msg)
+
+  # Restoring.
+
+  def latest_step(self) -> int | None:
+    """The newest step on disk or being saved, unchecked; None when there is none."""
+    return self._mgr.latest_step()
+
+  def restore_latest(self, abstract_state: Any, data_iter: Any = None):
+    """Returns (state, step) from the newest step that restores cleanly, or None if none exist.
+
+    `abstract_state` is the tree to restore into: `jax.ShapeDtypeStruct` leaves (restored with
+    their `.sharding`, which may differ from the saved one) or concrete arrays. If `data_iter`
+    is given its state is set to the saved one. Steps that fail are logged, moved aside to
+    `corrupt-<step>-<n>` and the previous step is tried; if every step fails, RuntimeError.
+    """
+    self._settle(raise_errors=False)
+    self._mgr.reload()
+    moved = 0
+    while (steps := self._mgr.all_steps()):
+      step = max(steps)
+      try:
+        state = self._restore_step(step, abstract_state, data_iter)
+      except _Corrupt as e:
+        log.warning("Checkpoint step %d in %s is unusable (%s); moving it aside and trying the "
+                    "previous step.", step, self.directory, e)
+        self._move_aside(step)
+        moved += 1
+        continue
+      if moved:
+        log.warning("Resumed from checkpoint step %d in %s after moving %d unusable newer "
+                    "step(s) aside.", step, self.directory, moved)
+      return state, step
+    if moved or self._corrupt_folders():
+      raise RuntimeError(
+          f"No usable checkpoint in {self.directory}: every step failed to restore and was "
+          f"moved aside to {CORRUPT_PREFIX}* folders (remove them or use a new workdir to "
+          "start afresh).")
+    return None
+
+  def _restore_step(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
+    """Restores one step and checks it; raises _Corrupt, or ValueError for a mismatched tree."""
+    try:
+      metadata = self._mgr.item_metadata(step)
+      tree_metadata = metadata[STATE] if STATE in metadata else None
+    except Exception as e:  # pylint: disable=broad-except
+      raise _Corrupt(f"its metadata does not read: {_one_line(e)}") from e
+    if tree_metadata is None or not getattr(tree_metadata, "tree", None):
+      raise _Corrupt("it holds no saved state, the folder is empty or partial")
+    mismatch = _tree_mismatch(tree_metadata.tree, abstract_state)
+    if mismatch:
+      raise ValueError(
+          f"Checkpoint step {step} in {self.directory} holds a different state tree than the "
+          f"one to restore into ({mismatch}); restore with the config that saved it or use a "
+          "new workdir.")
+    try:
+      restored = self._mgr.restore(
+          step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state)}))
+      state = restored[STATE]
+    except Exception as e:  # pylint: disable=broad-except
+      raise _Corrupt(f"restoring the state raised {type(e).__name__}: {_one_line(e)}") from e
+    problem = _restored_problem(abstract_state, state)
+    if problem:
+      raise _Corrupt(problem)
+    if data_iter is not None:
+      try:
+        self._mgr.restore(
+            step, args=ocp.args.Composite(**{DATA_ITER: grain_checkpoint.CheckpointRestore(
+                data_iter)}))
+      except Exception as e:  # pylint: disable=broad-except
+        raise _Corrupt(f"it has no readable data-iterator state: {_one_line(e)}") from e
+    return _place(abstract_state, state)
+
+  def _move_aside(self, step: int) -> None:
+    """Renames `<step>` to the first free `corrupt-<step>-<n>`, on the primary process only."""
+    if jax.process_index() == 0:
+      source = self.directory / str(step)
+      for n in itertools.count():
+        target = self.directory / f"{CORRUPT_PREFIX}{step}-{n}"
+        if not target.exists():
+          break
+      source.rename(target)
+    ocp.multihost.sync_global_processes(f"mtp_jax_checkpoint_move_aside_{next(self._barrier)}")
+    self._mgr.reload()
+
+  def _corrupt_folders(self) -> list[str]:
+    if not self.directory.exists():
+      return []
+    return [p.name for p in self.directory.iterdir() if p.name.startswith(CORRUPT_PREFIX)]
+
+
+def _one_line(e: BaseException) -> str:
+  """The first line of an exception, capped: orbax and tensorstore errors run to pages."""
+  text = str(e).strip().splitlines()
+  return (text[0] if text else type(e).__name__)[:300]
+
+
+def _path_name(path: tuple) -> str:
+  return "/".join(str(k) for k in path) or "<root>"
+
+
+def _tree_mismatch(saved_tree: Any, abstract_state: Any) -> str | None:
+  """Names the first leaf path or shape where an intact checkpoint differs from the target.
+
+  Shapes and paths only: dtypes may differ on purpose (orbax casts, e.g. float32 to bfloat16).
+  Paths are compared as orbax writes them (dict keys, attribute names, sequence indices).
+  """
+  saved = ocp.tree.to_flat_dict(saved_tree)
+  wanted = ocp.tree.to_flat_dict(abstract_state)
+  for path in sorted(set(saved) | set(wanted)):
+    if path not in saved:
+      return f"{_path_name(path)} is not in the checkpoint"
+    if path not in wanted:
+      return f"{_path_name(path)} is in the checkpoint but not in the target"
+    saved_shape = tuple(getattr(saved[path], "shape", None) or ())
+    wanted_shape = tuple(np.shape(wanted[path]))
+    if saved_shape != wanted_shape:
+      return f"{_path_name(path)} has shape {saved_shape} saved, {wanted_shape} wanted"
+  return None
+
+
+def _restored_problem(abstract_state: Any, state: Any) -> str | None:
+  """Says what is wrong with a restored tree, or None: the check orbax itself does not do."""
+  want_def = jax.tree.structure(abstract_state)
+  got_def = jax.tree.structure(state)
+  if want_def != got_def:
+    return f"the restored tree has structure {got_def}, not {want_def}"
+  paths_and_wanted = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+  for (path, want), got in zip(paths_and_wanted, jax.tree.leaves(state)):
+    name = jax.tree_util.keystr(path)
+    if got is None or isinstance(got, jax.ShapeDtypeStruct):
+      return f"leaf {name} was not restored"
+    if np.shape(got) != np.shape(want):
+      return f"leaf {name} restored with shape {np.shape(got)}, not {np.shape(want)}"
+    want_dtype = getattr(want, "dtype", None)
+    if want_dtype is not None and np.dtype(getattr(got, "dtype", type(got))) != want_dtype:
+      return f"leaf {name} restored as {got.dtype}, not {want_dtype}"
+  return None
+
+
+def _place(abstract_state: Any, state: Any) -> Any:
+  """Puts each restored array on the sharding its abstract leaf asks for, if orbax did not."""
+
+  def place(want, got):
+    sharding = getattr(want, "sharding", None)
+    if (isinstance(got, jax.Array) and isinstance(sharding, jax.sharding.Sharding)
+        and not got.sharding.is_equivalent_to(sharding, got.ndim)):
+      return jax.device_put(got, sharding)
+    return got
+
+  return jax.tree.map(place, abstract_state, state)
+
+
+def checkpoint_dir(workdir: str) -> str:
+  """Where a run in `workdir` keeps its checkpoints."""
+  return os.path.join(workdir, "checkpoints")

@@ -95,7 +95,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 16
   c.train.grad_accum = 1
-  c.train.steps = 1000
+  c.train.steps = 1000  # the schedule's length
+  c.train.stop_at = 0  # > 0: stop (with a checkpoint) at this step; rerun to go on to `steps`
   c.train.log_every = 10
   c.train.eval_every = 200
   c.train.eval_batches = 4
@@ -214,6 +215,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                 "checkpoint_every", "keep_checkpoints", "eval_batches"):
     if int(getattr(t, field)) < 1:
       _fail(f"train.{field}", f"must be >= 1, got {getattr(t, field)}")
+  if t.stop_at < 0:
+    _fail("train.stop_at", f"must be >= 0 (0 = run to train.steps), got {t.stop_at}")
   if t.batch_size % t.grad_accum:
     _fail("train.grad_accum", f"must divide train.batch_size ({t.batch_size}), got "
           f"{t.grad_accum}")

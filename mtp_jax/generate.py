@@ -149,4 +149,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=train_lib.parse_flags)

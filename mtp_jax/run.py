@@ -108,6 +108,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   else:
     state = restored[0]
   start, steps = int(state.step), config.train.steps
+  end = min(config.train.stop_at or steps, steps)
   n_params = param_count(state.params)
   print(f"{'resuming at' if restored else 'starting'} step {start}/{steps}: "
         f"{n_params:,} params, {config.model.heads.kind} heads, n_future "
@@ -143,7 +144,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
           f"{int(m['nonfinite_consecutive'])} consecutive non-finite steps at step {step} "
           f"(optim.max_consecutive_nonfinite = {config.optim.max_consecutive_nonfinite}); "
           f"stopped, the last good checkpoint in {ckpt.directory} is kept")
-    if step % config.train.log_every == 0 or step == steps:
+    if step % config.train.log_every == 0 or step == end:
       now = time.time()
       tps = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
       m["tokens_per_sec"] = tps
@@ -156,7 +157,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       t_log, step_log = now, step
 
   with _StopFlag() as stop:
-    for step in range(start, steps):
+    for step in range(start, end):
       batch = next(train_it)
       batches_f.write(f"{step} {train_lib.batches_sha256([batch])}\n")
       state, metrics = train_step(state, jax.device_put(batch, batch_sh))
@@ -166,14 +167,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if t_first is None:
         t_first = time.time()  # excludes the first step's compile from tokens/s
       done = step + 1
-      if done % config.train.eval_every == 0 or done == steps:
+      if done % config.train.eval_every == 0 or done == end:
         ev = evaluate(eval_step, state.params, config, batch_sh)
         if ev:
           log("eval", done, ev)
           print(f"eval step {done}: loss [{_fmt_heads(ev['head_loss'])}] acc "
                 f"[{_fmt_heads(ev['head_acc'])}] agree [{_fmt_heads(ev['head_agree'])}]",
                 flush=True)
-      if done % config.train.checkpoint_every == 0 or done == steps or stop.signum:
+      if done % config.train.checkpoint_every == 0 or done == end or stop.signum:
         ckpt.save(done, state, train_it, force=True)
       if stop.signum:
         handle(*pending)

@@ -154,6 +154,27 @@ def quiet_logs():
     logging.set_verbosity(logging.WARNING)
 
 
+def parse_flags(argv):
+  """absl flag parsing, with a bad flag or config override as one line instead of a traceback."""
+  try:
+    rest = FLAGS(argv)
+    if "config" in FLAGS and FLAGS["config"].present:
+      _ = FLAGS.config.model  # the config file loads lazily: fail here, not deep in the run
+    return rest
+  except (AttributeError, KeyError) as e:
+    bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")
+           and str(e).strip("\"' ") in a.split("=")[0].split(".")]
+    where = bad[0] if bad else "--config"
+    print(f"error: {where}: no such config field ({str(e).strip(chr(34))})", file=sys.stderr)
+  except (flags.Error, TypeError, ValueError, OSError) as e:
+    msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if "Failed loading config file" in str(e):
+      msg = "--config: cannot load " + " ".join(
+          line.strip() for line in str(e).splitlines()[2:] if line.strip())
+    print(f"error: {msg}", file=sys.stderr)
+  sys.exit(2)
+
+
 def main(argv):
   from mtp_jax import run  # local: run imports this module
   del argv
@@ -164,4 +185,4 @@ def main(argv):
 if __name__ == "__main__":
   config_flags.DEFINE_config_file("config", None, "ml_collections config file", lock_config=True)
   flags.DEFINE_string("workdir", None, "where checkpoints, metrics and summary.json go")
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,30 @@
+"""Data: tokenizers (bytes by default), tfds builders of local corpora, the grain pipeline.
+
+  from mtp_jax.data import make_iterator
+  it = make_iterator(config, "train")   # {"tokens": int32[B, S], "segment_ids": int32[B, S]}
+
+Names are imported on first use, so `python -m mtp_jax.data.tokenizers` does not import its own
+module twice, and importing a tokenizer does not pay for tfds and grain.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "ByteTokenizer": "tokenizers",
+    "SentencePieceTokenizer": "tokenizers",
+    "get_tokenizer": "tokenizers",
+    "train_sentencepiece": "tokenizers",
+    "load_source": "builders",
+    "get_builder": "builders",
+    "prepare": "builders",
+    "make_dataset": "pipeline",
+    "make_iterator": "pipeline",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -156,39 +156,41 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             flush=True)
       t_log, step_log = now, step
 
-  with _StopFlag() as stop:
-    for step in range(start, end):
-      batch = next(train_it)
-      batches_f.write(f"{step} {train_lib.batches_sha256([batch])}\n")
-      state, metrics = train_step(state, jax.device_put(batch, batch_sh))
+  try:
+    with _StopFlag() as stop:
+      for step in range(start, end):
+        batch = next(train_it)
+        batches_f.write(f"{step} {train_lib.batches_sha256([batch])}\n")
+        state, metrics = train_step(state, jax.device_put(batch, batch_sh))
+        if pending is not None:
+          handle(*pending)  # metrics read one step late: no host sync on the step just issued
+        pending = (step + 1, metrics)
+        if t_first is None:
+          t_first = time.time()  # excludes the first step's compile from tokens/s
+        done = step + 1
+        if done % config.train.eval_every == 0 or done == end:
+          ev = evaluate(eval_step, state.params, config, batch_sh)
+          if ev:
+            log("eval", done, ev)
+            print(f"eval step {done}: loss [{_fmt_heads(ev['head_loss'])}] acc "
+                  f"[{_fmt_heads(ev['head_acc'])}] agree [{_fmt_heads(ev['head_agree'])}]",
+                  flush=True)
+        if done % config.train.checkpoint_every == 0 or done == end or stop.signum:
+          ckpt.save(done, state, train_it, force=True)
+        if stop.signum:
+          handle(*pending)
+          pending = None
+          ckpt.wait()
+          print(f"signal {stop.signum}: saved step {done}, exiting", flush=True)
+          break
       if pending is not None:
-        handle(*pending)  # metrics read one step late: no host sync on the step just issued
-      pending = (step + 1, metrics)
-      if t_first is None:
-        t_first = time.time()  # excludes the first step's compile from tokens/s
-      done = step + 1
-      if done % config.train.eval_every == 0 or done == end:
-        ev = evaluate(eval_step, state.params, config, batch_sh)
-        if ev:
-          log("eval", done, ev)
-          print(f"eval step {done}: loss [{_fmt_heads(ev['head_loss'])}] acc "
-                f"[{_fmt_heads(ev['head_acc'])}] agree [{_fmt_heads(ev['head_agree'])}]",
-                flush=True)
-      if done % config.train.checkpoint_every == 0 or done == end or stop.signum:
-        ckpt.save(done, state, train_it, force=True)
-      if stop.signum:
         handle(*pending)
-        pending = None
-        ckpt.wait()
-        print(f"signal {stop.signum}: saved step {done}, exiting", flush=True)
-        break
-    if pending is not None:
-      handle(*pending)
-  ckpt.wait()
-  ckpt.close()
-  batches_f.close()
-  metrics_f.close()
-  writer.close()
+    ckpt.wait()
+  finally:  # an error still commits the saves in flight and flushes the logs
+    ckpt.close()
+    batches_f.close()
+    metrics_f.close()
+    writer.close()
 
   step = int(state.step)
   run_steps = max(step - start - 1, 0)

@@ -99,7 +99,7 @@ def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     consecutive, total = optim_lib.nonfinite_counts(opt_state)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads),
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads),
                    nonfinite_consecutive=consecutive, nonfinite_total=total)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

@@ -1,0 +1,231 @@
+"""Training end to end through the CLI, as a user runs it: exact resume, kill -9, SIGTERM,
+corrupted checkpoints, non-finite steps, bad input. Tiny config (configs/tiny.py) on a small
+text_folder corpus; subprocesses share a persistent compilation cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp_jax import optimizer as optim_lib
+from mtp_jax import sharding as shard_lib
+from mtp_jax import train as train_lib
+from mtp_jax.model import build_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """A few real Python files as a text_folder corpus, and a data dir shared by every run."""
+  root = tmp_path_factory.mktemp("train_corpus")
+  folder = root / "code"
+  folder.mkdir()
+  src = os.path.dirname(json.__file__)
+  for name in sorted(os.listdir(src)):
+    if name.endswith(".py"):
+      shutil.copy(os.path.join(src, name), folder / name)
+  return {"folder": str(folder), "data_dir": str(root / "datasets"),
+          "cache": str(root / "jax_cache")}
+
+
+def train_cmd(corpus, workdir, *overrides):
+  return [sys.executable, "-m", "mtp_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"),
+          "--workdir", str(workdir), "--config.data.corpus=text_folder",
+          f"--config.data.folder={corpus['folder']}", f"--config.data.dir={corpus['data_dir']}",
+          "--config.data.val_percent=20", *overrides]
+
+
+def env_for(corpus):
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=corpus["cache"],
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  return env
+
+
+def run_train(corpus, workdir, *overrides, check=True):
+  p = subprocess.run(train_cmd(corpus, workdir, *overrides), env=env_for(corpus),
+                     capture_output=True, text=True, timeout=600)
+  if check and p.returncode != 0:
+    raise AssertionError(f"train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+  return p
+
+
+def summary(workdir):
+  with open(os.path.join(workdir, "summary.json")) as f:
+    return json.load(f)
+
+
+def batch_hashes(workdir) -> dict[int, str]:
+  """step -> hash of the batch it trained on (a rerun step overwrites: the last one counts)."""
+  out = {}
+  with open(os.path.join(workdir, "batches.log")) as f:
+    for line in f:
+      step, h = line.split()
+      out[int(step)] = h
+  return out
+
+
+def ckpt_steps(workdir):
+  d = os.path.join(workdir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(d) if n.isdigit())
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+  """One uninterrupted 20-step run: the run every interrupted one must reproduce exactly."""
+  wd = tmp_path_factory.mktemp("ref") / "run"
+  p = run_train(corpus, wd)
+  return {"workdir": wd, "summary": summary(wd), "stdout": p.stdout}
+
+
+def test_reference_run_outputs(reference):
+  s, wd = reference["summary"], reference["workdir"]
+  assert s["step"] == 20
+  for key in ("train/loss", "eval/head1_loss", "eval/head2_acc", "eval/head2_agree",
+              "tokens_per_sec", "wall_seconds", "params_sha256"):
+    assert key in s, key
+  assert np.isfinite(s["train/loss"])
+  assert ckpt_steps(wd) == [10, 15, 20]  # keep_checkpoints = 3
+  assert os.path.isfile(os.path.join(wd, "config.json"))
+  assert any(n.startswith("events.out.tfevents") for n in os.listdir(wd))
+  lines = open(os.path.join(wd, "metrics.jsonl")).read().splitlines()
+  assert json.loads(lines[0])["step"] == 1
+  assert "tok/s" in reference["stdout"] and "ETA" in reference["stdout"]
+
+
+def test_exact_resume_after_stop(corpus, reference, tmp_path):
+  wd = tmp_path / "run"
+  run_train(corpus, wd, "--config.train.stop_at=10")
+  assert summary(wd)["step"] == 10
+  run_train(corpus, wd)
+  assert summary(wd)["params_sha256"] == reference["summary"]["params_sha256"]
+  assert batch_hashes(wd) == batch_hashes(reference["workdir"])
+
+
+def test_kill_9_then_resume(corpus, reference, tmp_path):
+  wd = tmp_path / "run"
+  p = subprocess.Popen(train_cmd(corpus, wd, "--config.train.checkpoint_every=2"),
+                       env=env_for(corpus), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while time.time() < deadline and p.poll() is None:
+    if os.path.isdir(wd / "checkpoints") and any(s >= 4 for s in ckpt_steps(wd)):
+      break
+    time.sleep(0.05)
+  p.send_signal(signal.SIGKILL)
+  p.wait()
+  assert not os.path.exists(wd / "summary.json"), "the run finished before it could be killed"
+  run_train(corpus, wd, "--config.train.checkpoint_every=2")
+  assert summary(wd)["params_sha256"] == reference["summary"]["params_sha256"]
+
+
+def test_sigterm_saves_current_step(corpus, tmp_path):
+  wd = tmp_path / "run"
+  p = subprocess.Popen(train_cmd(corpus, wd, "--config.train.steps=100000",
+                                 "--config.train.checkpoint_every=100000"),
+                       env=env_for(corpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True)
+  metrics = wd / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+    time.sleep(0.05)
+  p.send_signal(signal.SIGTERM)
+  out, err = p.communicate(timeout=120)
+  assert p.returncode == 0, err[-2000:]
+  s = summary(wd)
+  assert s["interrupted"] and 3 <= s["step"] < 100000
+  assert ckpt_steps(wd) == [s["step"]]
+  assert f"saved step {s['step']}" in out
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncate"])
+def test_corrupt_latest_falls_back(corpus, reference, tmp_path, damage):
+  wd = tmp_path / "run"
+  shutil.copytree(reference["workdir"], wd)
+  latest = wd / "checkpoints" / "20"
+  if damage == "empty":
+    shutil.rmtree(latest)
+    latest.mkdir()
+  else:
+    for dirpath, _, files in os.walk(latest / "state"):
+      for name in files:
+        path = os.path.join(dirpath, name)
+        with open(path, "r+b") as f:
+          f.truncate(os.path.getsize(path) // 2)
+  p = run_train(corpus, wd, "--config.train.steps=25")
+  assert "15" in p.stderr and "corrupt" in p.stderr.lower(), p.stderr[-2000:]
+  assert summary(wd)["step"] == 25
+  assert any(n.startswith("corrupt-20") for n in os.listdir(wd / "checkpoints"))
+  assert "resuming at step 15" in p.stdout
+
+
+def test_nonfinite_step_is_skipped_and_params_unchanged(corpus):
+  from mtp_jax.config import base_config
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs/tiny.py"))
+  tiny = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tiny)
+  config = tiny.get_config()
+  config.train.debug_nonfinite_steps = (0,)
+  config.optim.warmup_steps = 0  # a skipped step does not advance the schedule: lr(0) must be > 0
+  model = build_model(config)
+  tx = optim_lib.make_optimizer(config)
+  mesh = shard_lib.make_mesh(config)
+  state = train_lib.init_state(model, tx, config, mesh, jax.random.PRNGKey(0))
+  before = jax.device_get(state.params)
+  step = jax.jit(train_lib.make_train_step(model, tx, config))
+  batch = {"tokens": jnp.ones((4, 32), jnp.int32), "segment_ids": jnp.ones((4, 32), jnp.int32)}
+  state, m = step(state, batch)
+  assert int(m["nonfinite_total"]) == 1 and int(m["nonfinite_consecutive"]) == 1
+  jax.tree.map(np.testing.assert_array_equal, before, jax.device_get(state.params))
+  state, m = step(state, batch)  # step 1 is clean: params move, the consecutive count resets
+  assert int(m["nonfinite_total"]) == 1 and int(m["nonfinite_consecutive"]) == 0
+  assert train_lib.params_sha256(state.params) != train_lib.params_sha256(before)
+  del base_config
+
+
+def test_consecutive_nonfinite_stops_and_keeps_checkpoint(corpus, tmp_path):
+  wd = tmp_path / "run"
+  p = run_train(corpus, wd, "--config.train.debug_nonfinite_steps=(6, 7, 8, 9, 10, 11)",
+                "--config.optim.max_consecutive_nonfinite=3", check=False)
+  assert p.returncode == 3
+  last = p.stderr.strip().splitlines()[-1]
+  assert last.startswith("error:") and "non-finite" in last
+  assert ckpt_steps(wd) and max(ckpt_steps(wd)) <= 10
+  assert not os.path.exists(wd / "summary.json")
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["--config.model.foo=1"], "--config.model.foo"),
+    (["--config.data.corpus=nope"], "config.data.corpus"),
+    (["--config.data.seq_len=4096"], "config.data.seq_len"),
+    (["--config.data.glob=*.nothing"], "config.data"),
+])
+def test_bad_input_one_line_error_and_workdir_untouched(corpus, tmp_path, overrides, needle):
+  wd = tmp_path / "run"
+  wd.mkdir()
+  (wd / "keep.txt").write_text("precious")
+  p = run_train(corpus, wd, *overrides, check=False)
+  assert p.returncode != 0
+  lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
+  assert lines[-1].startswith("error:") and needle in lines[-1], p.stderr[-2000:]
+  assert "Traceback" not in p.stderr
+  assert sorted(os.listdir(wd)) == ["keep.txt"]
+
+
+def test_missing_workdir_flag(corpus):
+  cmd = train_cmd(corpus, "x")
+  i = cmd.index("--workdir")
+  del cmd[i:i + 2]
+  p = subprocess.run(cmd, env=env_for(corpus), capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: --workdir")

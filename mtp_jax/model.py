@@ -94,7 +94,7 @@ def build_model(config: ml_collections.ConfigDict) -> MTPModel:
 def init_params(model: MTPModel, rng: jax.Array, seq_len: int = 8) -> Any:
   """Plain parameter pytree (logical-partitioning boxes removed)."""
   tokens = jnp.zeros((1, seq_len), jnp.int32)
-  return nn.unbox(model.init(rng, tokens)["params"])
+  return jax.jit(lambda r: nn.unbox(model.init(r, tokens)["params"]))(rng)
 
 
 def logical_axes(model: MTPModel, seq_len: int = 8) -> Any:

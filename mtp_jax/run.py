@@ -91,6 +91,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs (or resumes) training to config.train.steps; returns the summary it writes."""
   t_start = time.time()
   train_it = pipeline.make_iterator(config, "train")
+  next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now, not at eval
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))

@@ -76,9 +76,9 @@ class DecodeResult:
     return np.asarray([h[j:].sum() / max(h.sum(), 1) for j in range(1, len(h))])
 
 
-@functools.partial(jax.jit, static_argnames=("args", "max_new_tokens", "eos_id", "pad_id"))
-def _decode(params, prompt_BxP, prompt_len_B, *, args: ModelArgs, max_new_tokens: int,
-            eos_id: int, pad_id: int):
+@functools.partial(jax.jit, static_argnames=("args", "max_new_tokens"))
+def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, *, args: ModelArgs,
+            max_new_tokens: int):
   model = MTPModel(args)
   k = args.n_future
   B, P = prompt_BxP.shape
@@ -152,15 +152,15 @@ def decode(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k: in
   for b, p in enumerate(prompts):
     prompt_BxP[b, :len(p)] = p
   lens_B = np.asarray([len(p) for p in prompts], np.int32)
-  key = (args_k, prompt_BxP.shape, max_new_tokens, eos_id, pad_id)
+  ids = (np.int32(eos_id), np.int32(pad_id))
+  key = (args_k, prompt_BxP.shape, max_new_tokens)
   t0 = time.perf_counter()
   if key not in _COMPILED:
-    _COMPILED[key] = _decode.lower(params_k, prompt_BxP, lens_B, args=args_k,
-                                   max_new_tokens=max_new_tokens, eos_id=eos_id,
-                                   pad_id=pad_id).compile()
+    _COMPILED[key] = _decode.lower(params_k, prompt_BxP, lens_B, *ids, args=args_k,
+                                   max_new_tokens=max_new_tokens).compile()
   t1 = time.perf_counter()
-  tokens, n_out, cycles, hist, forwards = jax.device_get(_COMPILED[key](params_k, prompt_BxP,
-                                                                        lens_B))
+  tokens, n_out, cycles, hist, forwards = jax.device_get(
+      _COMPILED[key](params_k, prompt_BxP, lens_B, *ids))
   t2 = time.perf_counter()
   return DecodeResult(tokens=np.asarray(tokens), lengths=np.asarray(n_out),
                       cycles=np.asarray(cycles), accepted_hist=np.asarray(hist),

@@ -127,6 +127,24 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def load_json(path: str) -> ml_collections.ConfigDict:
+  """A config saved by a training run (workdir/config.json), on top of today's defaults so that
+  a workdir from before a field existed still loads."""
+  import json  # pylint: disable=import-outside-toplevel
+  with open(path) as f:
+    saved = json.load(f)
+  c = base_config()
+
+  def merge(dst, src):
+    for key, value in src.items():
+      if isinstance(value, dict) and key in dst and isinstance(dst[key], ml_collections.ConfigDict):
+        merge(dst[key], value)
+      else:
+        dst[key] = value
+  merge(c, saved)
+  return c
+
+
 def _fail(field: str, msg: str):
   raise ValueError(f"config.{field}: {msg}")
 

@@ -11,7 +11,6 @@ and says whether the outputs are identical and what the speed-up is.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 
@@ -45,9 +44,7 @@ def load_workdir(workdir: str) -> Loaded:
   if not os.path.isfile(cfg_path):
     raise ValueError(f"--workdir: {workdir!r} has no config.json; train into it first with "
                      f"python -m mtp_jax.train --workdir {workdir}")
-  with open(cfg_path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  config_lib.validate(config)
+  config = config_lib.validate(config_lib.load_json(cfg_path))
   model = build_model(config)
   tx = optim_lib.make_optimizer(config)
   mesh = shard_lib.make_mesh(config)

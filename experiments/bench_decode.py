@@ -1,0 +1,194 @@
+"""Self-speculative decoding against greedy decoding on held-out code: a, T1, Tc and S.
+
+    python experiments/bench_decode.py --workdir DIR --json out/bench_decode.json [--png_dir out]
+
+Prompts are windows of real code from the validation split (files the model never trained on).
+For every batch size and prompt length, greedy (head 1 only) and speculative decoding (heads
+1..k) generate the same number of tokens per row (EOS ignored, so the work is fixed), each
+compiled once beforehand and timed on a second call:
+
+  a            mean tokens gained per verification forward, over rows and cycles
+  T1           greedy seconds per forward (= per token of every row)
+  Tc           speculative seconds per cycle (one forward over [last token + k-1 drafts])
+  S_measured   greedy wall time / speculative wall time, same tokens
+  S_predicted  a * T1 / Tc (BACKGROUND.md §5)
+  identical    every row's output equals greedy's
+
+Also: acceptance by draft position, the teacher-forced agreement of head k with head 1 on the
+same held-out text (what training logs; loops in free generation cannot flatter it), and where
+a cycle's time goes: a k-token window forward against a 1-token forward at the same context
+(verification cost), and the rest of the cycle (acceptance, cache bookkeeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax import decode as decode_lib
+from mtp_jax import loss as loss_lib
+from mtp_jax.data import builders, pipeline
+from mtp_jax.generate import load_workdir
+from mtp_jax.model import init_decode_cache
+
+
+def heldout_prompts(loaded, n: int, length: int, seed: int = 0) -> list[np.ndarray]:
+  """n windows of `length` tokens from validation files long enough to hold them."""
+  source = builders.load_source(loaded.config.data, "validation")
+  docs = [loaded.tokenizer.encode(builders.record_text(source[i])) for i in range(len(source))]
+  docs = [d for d in docs if len(d) >= length + 1]
+  if not docs:
+    raise ValueError(f"--prompt_lens: no validation file has {length} tokens")
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    d = docs[rng.integers(len(docs))]
+    start = rng.integers(0, len(d) - length)
+    out.append(d[start:start + length])
+  return out
+
+
+def teacher_forced_agreement(loaded, batches: int = 4) -> list[float]:
+  """Head k's argmax against head 1's greedy token at the same target, on validation text."""
+  it = pipeline.make_iterator(loaded.config, "validation", repeat=False)
+  fn = jax.jit(lambda p, b: loss_lib.model_loss(p, loaded.model, loaded.config, b)[1])
+  agree, weight = 0.0, 0.0
+  for _, batch in zip(range(batches), it):
+    m = jax.device_get(fn(loaded.params, batch))
+    agree = agree + np.asarray(m["head_agree"]) * m["head_tokens"]
+    weight = weight + np.asarray(m["head_tokens"])
+  return (agree / np.maximum(weight, 1)).tolist()
+
+
+def forward_cost(loaded, k: int, batch: int, context: int, reps: int = 5) -> dict:
+  """Seconds of one cached forward over a 1-token and a k-token window at `context`."""
+  params_k, args_k = decode_lib.slice_heads(loaded.params, loaded.model.args, k)
+  params_1, args_1 = decode_lib.slice_heads(loaded.params, loaded.model.args, 1)
+  out = {}
+  for name, (p, a, w) in {"forward_1": (params_1, args_1, 1), "forward_k": (params_k, args_k, k)
+                          }.items():
+    from mtp_jax.model import MTPModel
+    model = MTPModel(a)
+    cache = init_decode_cache(a, batch, context + k + 1)
+    toks = jnp.zeros((batch, w), jnp.int32)
+    pos = context + jnp.broadcast_to(jnp.arange(w), (batch, w))
+    f = jax.jit(lambda p, c: model.apply({"params": p}, toks, positions_BxS=pos, cache=c,
+                                         chain=True))
+    jax.block_until_ready(f(p, cache))
+    t = time.perf_counter()
+    for _ in range(reps):
+      jax.block_until_ready(f(p, cache))
+    out[name] = (time.perf_counter() - t) / reps
+  return out
+
+
+def run_case(loaded, prompts, k, max_new):
+  tok = loaded.tokenizer
+  kw = dict(max_new_tokens=max_new, eos_id=-1, pad_id=tok.pad_id)
+  for _ in range(2):  # the first call compiles; the second is timed
+    g = decode_lib.greedy(loaded.params, loaded.model.args, prompts, **kw)
+    s = decode_lib.decode(loaded.params, loaded.model.args, prompts, k=k, **kw)
+  T1 = g.seconds / g.forwards
+  Tc = s.seconds / s.forwards
+  a = s.tokens_per_forward
+  return {
+      "a": a,
+      "a_batch": g.forwards / s.forwards,  # what the slowest row allows the whole batch
+      "acceptance_by_position": s.acceptance_by_position().tolist(),
+      "T1": T1,
+      "Tc": Tc,
+      "Tc_over_T1": Tc / T1,
+      "S_measured": g.seconds / s.seconds,
+      "S_predicted": a * T1 / Tc,
+      "identical": bool(np.array_equal(g.tokens, s.tokens)
+                        and np.array_equal(g.lengths, s.lengths)),
+      "greedy_seconds": g.seconds,
+      "speculative_seconds": s.seconds,
+      "greedy_forwards": g.forwards,
+      "speculative_forwards": s.forwards,
+      "tokens_per_row": max_new,
+  }
+
+
+def plots(records, png_dir):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  os.makedirs(png_dir, exist_ok=True)
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  for r in records:
+    if r["batch"] == 1:
+      pos = np.arange(2, len(r["acceptance_by_position"]) + 2)
+      ax.plot(pos, r["acceptance_by_position"], "o-", label=f"prompt {r['prompt_len']}")
+  ax.set(xlabel="head (draft position)", ylabel="P(draft accepted)", ylim=(0, 1),
+         title="Acceptance by head, batch 1")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(png_dir, "decode_acceptance.png"), dpi=120)
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  for plen in sorted({r["prompt_len"] for r in records}):
+    rs = sorted((r for r in records if r["prompt_len"] == plen), key=lambda r: r["batch"])
+    ax.plot([r["batch"] for r in rs], [r["S_measured"] for r in rs], "o-",
+            label=f"S measured, prompt {plen}")
+    ax.plot([r["batch"] for r in rs], [r["S_predicted"] for r in rs], "x--",
+            label=f"a*T1/Tc, prompt {plen}")
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.set(xscale="log", xlabel="batch size", ylabel="speed-up over greedy",
+         title="Self-speculative speed-up")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(png_dir, "decode_speedup.png"), dpi=120)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--workdir", required=True)
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--png_dir", default=None, help="default: the folder of --json")
+  ap.add_argument("--batches", default="1,8,32")
+  ap.add_argument("--prompt_lens", default="64,256")
+  ap.add_argument("--max_new_tokens", type=int, default=128)
+  ap.add_argument("--heads", type=int, default=None, help="k (default: all heads)")
+  args = ap.parse_args()
+  loaded = load_workdir(args.workdir)
+  k = args.heads or loaded.model.args.n_future
+  agree = teacher_forced_agreement(loaded)
+  records = []
+  print(f"step {loaded.step}, {loaded.model.args.head_kind} heads, k = {k}, "
+        f"{args.max_new_tokens} new tokens per row; teacher-forced agreement with head 1 by "
+        f"head: {np.round(agree, 3).tolist()}")
+  print("| batch | prompt | a | acceptance by head | T1 ms | Tc ms | Tc/T1 | S measured | "
+        "S predicted | fwd k / fwd 1 | identical |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  for plen in [int(x) for x in args.prompt_lens.split(",")]:
+    for batch in [int(x) for x in args.batches.split(",")]:
+      prompts = heldout_prompts(loaded, batch, plen)
+      r = run_case(loaded, prompts, k, args.max_new_tokens)
+      cost = forward_cost(loaded, k, batch, plen + args.max_new_tokens // 2)
+      r.update(batch=batch, prompt_len=plen, heads=k, step=loaded.step,
+               teacher_forced_agreement=agree, backend=jax.devices()[0].platform,
+               forward_1_seconds=cost["forward_1"], forward_k_seconds=cost["forward_k"],
+               cycle_overhead_seconds=r["Tc"] - cost["forward_k"])
+      records.append(r)
+      print(f"| {batch} | {plen} | {r['a']:.2f} | "
+            f"{' '.join(f'{x:.2f}' for x in r['acceptance_by_position'])} | "
+            f"{1e3 * r['T1']:.1f} | {1e3 * r['Tc']:.1f} | {r['Tc_over_T1']:.2f} | "
+            f"{r['S_measured']:.2f} | {r['S_predicted']:.2f} | "
+            f"{cost['forward_k'] / cost['forward_1']:.2f} | {r['identical']} |", flush=True)
+  if args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+      json.dump(records, f, indent=2)
+  png_dir = args.png_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)
+  if png_dir:
+    plots(records, png_dir)
+
+
+if __name__ == "__main__":
+  main()

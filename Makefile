@@ -3,6 +3,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+DEMO_DIR ?= runs/demo
+DEMO_STEPS ?= 150
+DEMO_PROMPTS := $(wildcard experiments/prompts/*.txt)
+
 .PHONY: install test demo clean
 
 $(BIN)/python:
@@ -17,6 +21,16 @@ install: $(STAMP)
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+# Train the default model (byte-level code, 4 parallel heads) on the local stdlib corpus for a
+# few minutes, then decode code prompts greedily and with self-speculation and compare.
+# Rerunning resumes; DEMO_STEPS=N trains longer.
+demo: install
+	$(BIN)/python -m mtp_jax.train --config configs/default.py --workdir $(DEMO_DIR) \
+	  --config.train.steps=$(DEMO_STEPS) --config.train.eval_every=50 \
+	  --config.train.checkpoint_every=50 --config.train.log_every=5
+	$(BIN)/python -m mtp_jax.generate --workdir $(DEMO_DIR) --mode both --max_new_tokens 128 \
+	  $(addprefix --prompt_file ,$(DEMO_PROMPTS))
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -62,7 +62,9 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.loss = ml_collections.ConfigDict()
   c.loss.token_chunks = 1  # token tiles per head inside the loss scan; 1 = whole head at once
-  c.loss.head_weights = "uniform"  # "uniform", "geometric", "deepseek" or a list of n_future floats
+  # "uniform", "geometric", "deepseek", or one weight per head: "1,0.5,0.5,0.5" (a string, so
+  # it overrides from the command line; a Python list or tuple works too).
+  c.loss.head_weights = "uniform"
   c.loss.geometric_decay = 0.5  # head i gets decay**(i-1)
   c.loss.mtp_lambda = 0.3  # DeepSeek-V3: main loss + lambda/D * sum of depth losses
   c.loss.z_loss = 0.0
@@ -145,6 +147,18 @@ def load_json(path: str) -> ml_collections.ConfigDict:
   return c
 
 
+def parse_head_weights(value):
+  """A weight scheme's name, or the list of weights that `value` spells ("1,0.5" or [1, 0.5])."""
+  if isinstance(value, (list, tuple)):
+    return [float(w) for w in value]
+  if value in HEAD_WEIGHTS:
+    return value
+  try:
+    return [float(w) for w in str(value).strip("()[] ").split(",") if w.strip()]
+  except ValueError:
+    return value
+
+
 def _fail(field: str, msg: str):
   raise ValueError(f"config.{field}: {msg}")
 
@@ -214,14 +228,15 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if lo.token_chunks < 1 or d.seq_len % lo.token_chunks:
     _fail("loss.token_chunks", f"must be >= 1 and divide data.seq_len ({d.seq_len}), got "
           f"{lo.token_chunks}")
-  if isinstance(lo.head_weights, (list, tuple)):
-    if len(lo.head_weights) != m.n_future:
-      _fail("loss.head_weights", f"a list needs one weight per head (model.n_future = "
-            f"{m.n_future}), got {len(lo.head_weights)}")
-    if any(w < 0 for w in lo.head_weights):
-      _fail("loss.head_weights", "weights must be >= 0")
+  weights = parse_head_weights(lo.head_weights)
+  if isinstance(weights, str):
+    _choice(c, "loss.head_weights", HEAD_WEIGHTS + ("or comma-separated numbers",))
   else:
-    _choice(c, "loss.head_weights", HEAD_WEIGHTS)
+    if len(weights) != m.n_future:
+      _fail("loss.head_weights", f"a list needs one weight per head (model.n_future = "
+            f"{m.n_future}), got {len(weights)}")
+    if any(w < 0 for w in weights):
+      _fail("loss.head_weights", "weights must be >= 0")
   if not 0 < lo.geometric_decay <= 1:
     _fail("loss.geometric_decay", f"must be in (0, 1], got {lo.geometric_decay}")
   if lo.z_loss < 0:

@@ -109,6 +109,17 @@ def rope(x_BxSxHxE, positions_BxS, theta: float):
   return out.astype(x_BxSxHxE.dtype)
 
 
+def tokens_2d(fn):
+  """Runs `fn` on [B*S, ...] instead of [B, S, ...]: XLA:CPU turns the weight gradient of a
+  matmul that contracts two token axes into a slow loop; one token axis takes the fast GEMM
+  (measured: SwiGLU backward 2x faster)."""
+  def wrapped(x_BxSx_, *args):
+    B, S = x_BxSx_.shape[:2]
+    y = fn(x_BxSx_.reshape(B * S, *x_BxSx_.shape[2:]), *args)
+    return y.reshape(B, S, *y.shape[1:])
+  return wrapped
+
+
 class Attention(nn.Module):
   """Causal grouped-query attention. Without a cache, query t sees keys s <= t of its own
   segment (packed documents never attend to each other). With a cache, the new keys are written
@@ -123,9 +134,9 @@ class Attention(nn.Module):
     G = H // K
     proj = lambda feats, axes, name: nn.DenseGeneral(
         feats, use_bias=False, dtype=a.dtype, kernel_init=dense_init(axes), name=name)
-    q_BxSxHxE = proj((H, E), ("embed", "heads", "head_dim"), "wq")(x_BxSxD)
-    k_BxSxKxE = proj((K, E), ("embed", "kv_heads", "head_dim"), "wk")(x_BxSxD)
-    v_BxSxKxE = proj((K, E), ("embed", "kv_heads", "head_dim"), "wv")(x_BxSxD)
+    q_BxSxHxE = tokens_2d(proj((H, E), ("embed", "heads", "head_dim"), "wq"))(x_BxSxD)
+    k_BxSxKxE = tokens_2d(proj((K, E), ("embed", "kv_heads", "head_dim"), "wk"))(x_BxSxD)
+    v_BxSxKxE = tokens_2d(proj((K, E), ("embed", "kv_heads", "head_dim"), "wv"))(x_BxSxD)
     q_BxSxHxE = rope(q_BxSxHxE, positions_BxS, a.rope_theta)
     k_BxSxKxE = rope(k_BxSxKxE, positions_BxS, a.rope_theta)
 
@@ -152,9 +163,9 @@ class Attention(nn.Module):
     probs = jax.nn.softmax(logits_BxKxGxSxT, axis=-1).astype(a.dtype)
     out_BxSxKxGxE = jnp.einsum("bkgst,btke->bskge", probs, v_BxTxKxE.astype(a.dtype))
     out_BxSxHxE = out_BxSxKxGxE.reshape(B, S, H, E)
-    out_BxSxD = nn.DenseGeneral(a.d_model, axis=(-2, -1), use_bias=False, dtype=a.dtype,
-                                kernel_init=dense_init(("heads", "head_dim", "embed")),
-                                name="wo")(out_BxSxHxE)
+    out_BxSxD = tokens_2d(nn.DenseGeneral(
+        a.d_model, axis=(-2, -1), use_bias=False, dtype=a.dtype,
+        kernel_init=dense_init(("heads", "head_dim", "embed")), name="wo"))(out_BxSxHxE)
     return out_BxSxD, new_cache
 
 
@@ -166,9 +177,12 @@ class SwiGLU(nn.Module):
     a = self.args
     dense = lambda feats, axes, name: nn.Dense(
         feats, use_bias=False, dtype=a.dtype, kernel_init=dense_init(axes), name=name)
-    gate_BxSxF = dense(a.d_ff, ("embed", "mlp"), "w1")(x_BxSxD)
-    up_BxSxF = dense(a.d_ff, ("embed", "mlp"), "w3")(x_BxSxD)
-    return dense(a.d_model, ("mlp", "embed"), "w2")(nn.silu(gate_BxSxF) * up_BxSxF)
+
+    def mlp(x_TxD):
+      gate_TxF = dense(a.d_ff, ("embed", "mlp"), "w1")(x_TxD)
+      up_TxF = dense(a.d_ff, ("embed", "mlp"), "w3")(x_TxD)
+      return dense(a.d_model, ("mlp", "embed"), "w2")(nn.silu(gate_TxF) * up_TxF)
+    return tokens_2d(mlp)(x_BxSxD)
 
 
 class Block(nn.Module):

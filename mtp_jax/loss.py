@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from mtp_jax import config as config_lib
 from mtp_jax.model import unembedding
 
 _SAVE_NOTHING = jax.checkpoint_policies.nothing_saveable
@@ -29,8 +30,9 @@ _SAVE_NOTHING = jax.checkpoint_policies.nothing_saveable
 def head_weights(config: ml_collections.ConfigDict) -> np.ndarray:
   """lambda_i for i = 1..n_future from `config.loss`."""
   n, lo = config.model.n_future, config.loss
-  if isinstance(lo.head_weights, (list, tuple)):
-    return np.asarray(lo.head_weights, np.float32)
+  scheme = config_lib.parse_head_weights(lo.head_weights)
+  if not isinstance(scheme, str):
+    return np.asarray(scheme, np.float32)
   if lo.head_weights == "uniform":
     return np.ones(n, np.float32)
   if lo.head_weights == "geometric":
@@ -58,8 +60,9 @@ def targets_and_mask(tokens_BxS, segment_ids_BxS, n_future: int):
 
 def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT):
   """Summed NLL and summed lse^2 over the masked tokens, and the argmax, for one tile."""
-  logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, unembed_DxV.astype(h_BxTxD.dtype),
-                            preferred_element_type=jnp.float32)
+  B, T, D = h_BxTxD.shape  # one token axis: XLA:CPU's fast GEMM path (see layers.tokens_2d)
+  logits_BxTxV = jnp.dot(h_BxTxD.reshape(B * T, D), unembed_DxV.astype(h_BxTxD.dtype),
+                         preferred_element_type=jnp.float32).reshape(B, T, -1)
   lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
   tgt_logit_BxT = jnp.take_along_axis(logits_BxTxV, tgt_BxT[..., None], axis=-1)[..., 0]
   m = mask_BxT.astype(jnp.float32)

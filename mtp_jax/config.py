@@ -178,8 +178,14 @@ def apply_presets(c: ml_collections.ConfigDict) -> None:
     if preset not in SEQ_PRESETS:
       _fail("model.heads.seq_preset", f"got {preset!r}, allowed: '' or "
             + ", ".join(map(repr, SEQ_PRESETS)))
-    (c.model.heads.seq_concat, c.model.heads.seq_trunk_state,
-     c.model.heads.seq_output_norm) = SEQ_PRESETS[preset]
+    h, defaults = c.model.heads, base_config().model.heads
+    for field, value in zip(("seq_concat", "seq_trunk_state", "seq_output_norm"),
+                            SEQ_PRESETS[preset]):
+      if h[field] not in (value, defaults[field]):
+        _fail("model.heads.seq_preset", f"preset {preset!r} sets {field} = {value!r}, but "
+              f"{field} = {h[field]!r} was asked for; set seq_preset='' to choose the fields "
+              "one by one")
+      h[field] = value
 
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

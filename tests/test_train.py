@@ -49,7 +49,6 @@ def train_cmd(corpus, workdir, *overrides):
 def env_for(corpus):
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=corpus["cache"],
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
   return env
 
 

@@ -1,0 +1,137 @@
+"""Config validation: every bad value is one ValueError at start-up that names its field."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from mtp_jax import config as config_lib
+from mtp_jax.model import build_model, init_params, param_count
+
+
+def _set_head_weights(c, weights):
+  # ConfigDict is type-safe and the field is a string; Python lists need ignore_type().
+  with c.ignore_type():
+    c.loss.head_weights = weights
+
+
+def _set(path, value):
+  def mutate(c):
+    *parents, leaf = path.split(".")
+    node = c
+    for p in parents:
+      node = getattr(node, p)
+    setattr(node, leaf, value)
+  return mutate
+
+
+# (id, mutation of a valid parallel n_future=2 tiny config, field the message must name,
+#  another fragment it must contain).
+BAD = [
+    ("n_future_zero", _set("model.n_future", 0), "model.n_future", ">= 1"),
+    ("n_future_negative", _set("model.n_future", -3), "model.n_future", ">= 1"),
+    ("n_future_above_n_layers", _set("model.n_future", 5), "model.n_future", "n_layers"),
+    ("seq_len_equals_n_future", lambda c: (_set("model.n_future", 4)(c),
+                                           _set("data.seq_len", 4)(c)),
+     "data.seq_len", "n_future"),
+    ("seq_len_below_n_future", _set("data.seq_len", 1), "data.seq_len", "n_future"),
+    ("n_heads_not_dividing_d_model", _set("model.n_heads", 3), "model.n_heads", "d_model"),
+    ("n_kv_heads_not_dividing_n_heads", _set("model.n_kv_heads", 3), "model.n_kv_heads",
+     "n_heads"),
+    ("unknown_head_kind", _set("model.heads.kind", "medusa"), "model.heads.kind",
+     "'parallel', 'projection', 'sequential'"),
+    ("head_weights_too_short", lambda c: _set_head_weights(c, [1.0]), "loss.head_weights",
+     "one weight per head"),
+    ("head_weights_too_long", lambda c: _set_head_weights(c, [1.0, 0.5, 0.25]),
+     "loss.head_weights", "one weight per head"),
+    ("head_weights_unknown_name", _set("loss.head_weights", "harmonic"), "loss.head_weights",
+     "'uniform'"),
+    ("token_chunks_not_dividing_seq_len", _set("loss.token_chunks", 5), "loss.token_chunks",
+     "divide data.seq_len"),
+    ("token_chunks_zero", _set("loss.token_chunks", 0), "loss.token_chunks", ">= 1"),
+    ("unknown_seq_preset", _set("model.heads.seq_preset", "medusa"), "model.heads.seq_preset",
+     "'deepseek_v3'"),
+    ("unknown_seq_concat", lambda c: (_set("model.heads.seq_preset", "")(c),
+                                      _set("model.heads.seq_concat", "middle")(c)),
+     "model.heads.seq_concat", "'emb_first'"),
+    ("unknown_remat_policy", _set("model.remat_policy", "some"), "model.remat_policy",
+     "'dots_saveable'"),
+]
+
+
+@pytest.mark.parametrize("mutate,field,fragment", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_config_raises_naming_the_field(make_config, mutate, field, fragment):
+  c = make_config("parallel", 2)
+  config_lib.validate(c)  # valid before the mutation
+  mutate(c)
+  with pytest.raises(ValueError, match=rf"^config\.{field}: ") as err:
+    config_lib.validate(c)
+  assert fragment in str(err.value)
+  with pytest.raises(ValueError, match=rf"^config\.{field}: "):
+    build_model(c)  # the model validates at construction too
+
+
+def test_base_and_tiny_configs_validate(make_config):
+  config_lib.validate(config_lib.base_config())
+  for kind in config_lib.HEAD_KINDS:
+    config_lib.validate(make_config(kind, 4))
+
+
+def test_n_future_above_n_layers_is_fine_for_other_kinds(make_config):
+  # Only parallel heads take their blocks from the trunk.
+  for kind in ("projection", "sequential"):
+    config_lib.validate(make_config(kind, 6))
+
+
+def test_head_weight_list_of_right_length_validates(make_config):
+  c = make_config("parallel", 2)
+  _set_head_weights(c, [1.0, 0.5])
+  config_lib.validate(c)
+
+
+def test_head_weight_string_list_from_the_command_line(make_config, tmp_path):
+  """ConfigDict is type-safe, so a per-head list is spelled "1,0.5" (what a CLI override is)."""
+  c = make_config("parallel", 2)
+  c.loss.head_weights = "1,0.5"
+  config_lib.validate(c)
+  from mtp_jax.loss import head_weights
+  assert head_weights(c).tolist() == [1.0, 0.5]
+  c.loss.head_weights = "1,0.5,0.25"
+  with pytest.raises(ValueError, match="config.loss.head_weights: .*one weight per head"):
+    config_lib.validate(c)
+
+
+def test_custom_seq_fields_conflicting_with_preset_are_an_error(make_config):
+  c = make_config("sequential", 3)
+  c.model.heads.seq_concat = "hidden_first"  # but seq_preset is still "deepseek_v3"
+  with pytest.raises(ValueError, match="config.model.heads.seq_preset"):
+    config_lib.validate(c)
+  c.model.heads.seq_preset = ""
+  config_lib.validate(c)
+  assert c.model.heads.seq_concat == "hidden_first"
+
+
+@pytest.mark.parametrize("preset", sorted(config_lib.SEQ_PRESETS))
+def test_seq_preset_sets_its_three_fields(make_config, preset):
+  c = make_config("sequential", 3)
+  c.model.heads.seq_preset = preset
+  config_lib.validate(c)
+  h = c.model.heads
+  assert (h.seq_concat, h.seq_trunk_state, h.seq_output_norm) == config_lib.SEQ_PRESETS[preset]
+
+
+def test_empty_seq_preset_keeps_custom_fields(make_config):
+  c = make_config("sequential", 3)
+  c.model.heads.seq_preset = ""
+  c.model.heads.seq_concat, c.model.heads.seq_trunk_state = "hidden_first", "pre_norm"
+  c.model.heads.seq_output_norm = "shared"
+  config_lib.validate(c)
+  assert (c.model.heads.seq_concat, c.model.heads.seq_trunk_state,
+          c.model.heads.seq_output_norm) == ("hidden_first", "pre_norm", "shared")
+
+
+def test_default_config_size():
+  """The base config builds; a 6-layer d_model 256 byte-level model is a few million params."""
+  model = build_model(config_lib.base_config())
+  shapes = jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0)))
+  assert 4e6 < param_count(shapes) < 6e6

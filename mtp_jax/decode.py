@@ -32,11 +32,15 @@ from mtp_jax.layers import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, logits
 
 
-def slice_heads(params, args: ModelArgs, k: int):
-  """Params and args of the model restricted to heads 1..k (k <= n_future)."""
+def check_heads(args: ModelArgs, k: int) -> None:
   if not 1 <= k <= args.n_future:
     raise ValueError(f"--heads: must be between 1 and the model's n_future ({args.n_future}), "
                      f"got {k}")
+
+
+def slice_heads(params, args: ModelArgs, k: int):
+  """Params and args of the model restricted to heads 1..k (k <= n_future)."""
+  check_heads(args, k)
   heads = dict(params["heads"]) if "heads" in params else {}
   take = lambda tree, n: jax.tree.map(lambda x: x[:n], tree)
   if args.head_kind == "parallel":

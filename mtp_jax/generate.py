@@ -86,9 +86,7 @@ def run(workdir: str, texts: list[str], *, max_new_tokens: int, mode: str, heads
   loaded = load_workdir(workdir)
   args = loaded.model.args
   k = args.n_future if heads is None else heads
-  if not 1 <= k <= args.n_future:
-    raise ValueError(f"--heads: must be between 1 and the model's n_future ({args.n_future}), "
-                     f"got {k}")
+  decode_lib.check_heads(args, k)
   prompts = encode_prompts(loaded.tokenizer, texts)
   tok = loaded.tokenizer
   kw = dict(max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)

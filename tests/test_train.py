@@ -228,3 +228,49 @@ def test_missing_workdir_flag(corpus):
   del cmd[i:i + 2]
   p = subprocess.run(cmd, env=env_for(corpus), capture_output=True, text=True, timeout=120)
   assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: --workdir")
+
+
+# Decoding from a trained workdir: the generate CLI and its input checks.
+
+def generate_cmd(workdir, *args):
+  return [sys.executable, "-m", "mtp_jax.generate", "--workdir", str(workdir), *args]
+
+
+def test_generate_cli_both_modes(corpus, reference):
+  p = subprocess.run(generate_cmd(reference["workdir"], "--prompt", "def f(x):", "--prompt",
+                                  "import os\n", "--max_new_tokens", "24", "--mode", "both",
+                                  "--heads", "2"),
+                     env=env_for(corpus), capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.count("--- prompt") == 2
+  assert "speculative: tokens 48 forwards" in p.stdout and "greedy: tokens 48" in p.stdout
+  assert "identical to greedy: True" in p.stdout
+
+
+@pytest.mark.parametrize("texts,kw,needle", [
+    ([""], {}, "--prompt: prompt 1 is empty"),
+    ([], {}, "--prompt: give at least one"),
+    (["x" * 120], {}, "--max_new_tokens: prompt (120 tokens) + max_new_tokens"),
+    (["ok \udc80"], {}, "cannot be encoded"),
+    (["def"], {"heads": 3}, "--heads: must be between 1 and the model's n_future (2)"),
+])
+def test_generate_bad_input(reference, texts, kw, needle):
+  from mtp_jax import generate
+  args = {"max_new_tokens": 16, "mode": "speculative", "heads": None, **kw}
+  with pytest.raises(ValueError) as e:
+    generate.run(str(reference["workdir"]), texts, **args)
+  assert needle in str(e.value)
+
+
+def test_generate_workdir_without_checkpoint(corpus, tmp_path):
+  wd = tmp_path / "empty"
+  wd.mkdir()
+  p = subprocess.run(generate_cmd(wd, "--prompt", "x"), env=env_for(corpus),
+                     capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2 and "Traceback" not in p.stderr
+  assert p.stderr.strip().splitlines()[-1].startswith("error: --workdir")
+  shutil.copy(os.path.join(ROOT, "configs/tiny.py"), wd / "config.py")
+  (wd / "config.json").write_text(json.dumps({"model": {"n_future": 2}}))
+  from mtp_jax import generate
+  with pytest.raises(ValueError, match="no checkpoint"):
+    generate.run(str(wd), ["x"], max_new_tokens=4, mode="greedy", heads=None)

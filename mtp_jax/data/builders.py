@@ -216,6 +216,9 @@ def prepare(data_config) -> _CorpusBuilder:
     _log.warning("%s: files changed since the build (%s, now %s); rebuilding",
                     builder.data_path, built, builder.builder_config.description)
   mode = tfds.download.GenerateMode.REUSE_CACHE_IF_EXISTS  # overwrites a stale build
+  print(f"building the {data_config.corpus} dataset ({builder.builder_config.description}) "
+        f"into {builder.data_path}", flush=True)
+  tfds.disable_progress_bar()  # one line above instead of a screen of progress bars
   builder.download_and_prepare(download_config=tfds.download.DownloadConfig(download_mode=mode))
   return get_builder(data_config)  # a fresh builder reads the dataset_info just written
 

@@ -60,7 +60,8 @@ class Checkpointer:
                save_interval_steps: int = 1):
     if keep < 1:
       raise ValueError(f"Checkpointer keep must be at least 1, got {keep}.")
-    self.directory = epath.Path(directory)
+    # orbax refuses relative paths, and only in its background commit: make it absolute here.
+    self.directory = epath.Path(os.path.abspath(os.path.expanduser(str(directory))))
     self._barrier = itertools.count()
     self._pending_step: int | None = None
     options = ocp.CheckpointManagerOptions(
@@ -90,8 +91,10 @@ class Checkpointer:
     on disk (for instance a periodic save just before SIGTERM), and overwriting it would mean
     deleting a good checkpoint before its replacement is committed (orbax's own overwrite
     removes the old folder first). A step whose folder was moved aside as corrupt is free again.
+    A failure of the previous (async) save is raised here: a run whose checkpoints do not
+    commit must not train on as if they did.
     """
-    self._settle(raise_errors=False)
+    self._settle(raise_errors=True)
     latest = self._mgr.latest_step()
     if latest is not None and step <= latest:
       if step == latest:

@@ -216,7 +216,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def cli_main(flags_) -> int:
-  """Exit status: 0 done, 2 bad input (one line on stderr), 3 non-finite training stopped."""
+  """Exit status: 0 done, 2 bad input (one line on stderr), 3 non-finite training stopped,
+  4 checkpoint failure."""
   try:
     check_inputs(flags_.config, flags_.workdir)
     summary = train(flags_.config, flags_.workdir)
@@ -226,5 +227,8 @@ def cli_main(flags_) -> int:
   except NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
+  except RuntimeError as e:  # a checkpoint that cannot be saved or restored
+    print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+    return 4
   print(json.dumps({k: summary[k] for k in ("step", "params_sha256", "tokens_per_sec")}))
   return 0

@@ -31,6 +31,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 TOKENIZERS = ("byte", "sentencepiece")
 CORPORA = ("python_code", "text_folder")
 DTYPES = ("float32", "bfloat16")
+DISTRIBUTED_MODES = ("auto", "on", "off")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -111,6 +112,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1  # -1 takes the devices the other axes leave
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  # jax.distributed.initialize(): "auto" on TPU pods, Slurm (SLURM_NTASKS > 1) or when
+  # JAX_COORDINATOR_ADDRESS is set; "on" always; "off" never.
+  c.mesh.distributed = "auto"
   # Logical axis name -> mesh axis (or None). Only sharding.py reads mesh names.
   c.mesh.rules = (
       ("batch", ("data", "fsdp")),
@@ -265,6 +269,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
   if o.max_consecutive_nonfinite < 1:
     _fail("optim.max_consecutive_nonfinite", f"must be >= 1, got {o.max_consecutive_nonfinite}")
+  _choice(c, "mesh.distributed", DISTRIBUTED_MODES)
   for axis in ("data", "fsdp", "tensor"):
     v = getattr(c.mesh, axis)
     if v != -1 and v < 1:

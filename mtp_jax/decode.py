@@ -157,7 +157,8 @@ def decode(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k: in
     prompt_BxP[b, :len(p)] = p
   lens_B = np.asarray([len(p) for p in prompts], np.int32)
   ids = (np.int32(eos_id), np.int32(pad_id))
-  key = (args_k, prompt_BxP.shape, max_new_tokens)
+  shardings = tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(params_k))
+  key = (args_k, prompt_BxP.shape, max_new_tokens, shardings)
   t0 = time.perf_counter()
   if key not in _COMPILED:
     _COMPILED[key] = _decode.lower(params_k, prompt_BxP, lens_B, *ids, args=args_k,

@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mtp_jax import sharding
+
 Cache = dict[str, jax.Array]  # {"k": [B, L, K, E], "v": [B, L, K, E]}
 _NEG = -1e30
 
@@ -199,7 +201,10 @@ class Block(nn.Module):
     x_BxSxD = x_BxSxD + h
     x_BxSxD = x_BxSxD + SwiGLU(a, name="feed_forward")(
         RMSNorm(a.norm_eps, a.dtype, name="ffn_norm")(x_BxSxD))
-    return x_BxSxD, new_cache
+    # The residual stream between blocks: rows sharded like the batch, model width whole, so
+    # GSPMD does not carry an FSDP weight sharding over into activations. A no-op unless traced
+    # inside sharding.activation_rules (one device, tests).
+    return sharding.constrain(x_BxSxD, ("batch", "seq", None)), new_cache
 
 
 def init_cache(args: ModelArgs, n_blocks: int, batch: int, length: int, dtype=jnp.float32):

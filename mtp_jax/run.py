@@ -70,7 +70,7 @@ def evaluate(eval_step, params, config, batch_sharding) -> dict:
   it = pipeline.make_iterator(config, "validation", repeat=False)
   sums, total = None, None
   for _, batch in zip(range(config.train.eval_batches), it):
-    m = jax.device_get(eval_step(params, jax.device_put(batch, batch_sharding)))
+    m = jax.device_get(eval_step(params, shard_lib.shard_batch(batch, batch_sharding)))
     w = np.asarray(m["head_tokens"])
     part = {k: np.asarray(m[k]) * w for k in ("head_loss", "head_acc", "head_agree")}
     sums = part if sums is None else {k: sums[k] + part[k] for k in part}
@@ -90,6 +90,7 @@ def _fmt_heads(values) -> str:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs (or resumes) training to config.train.steps; returns the summary it writes."""
   t_start = time.time()
+  shard_lib.maybe_initialize_distributed(config.mesh.distributed)  # before process_index is read
   train_it = pipeline.make_iterator(config, "train")
   next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now, not at eval
   os.makedirs(workdir, exist_ok=True)
@@ -97,6 +98,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     f.write(config.to_json_best_effort(indent=2))
 
   mesh = shard_lib.make_mesh(config)
+  shard_lib.check_batch(config, mesh)
   model = build_model(config)
   tx = optim_lib.make_optimizer(config)
   state_sh = train_lib.state_shardings(model, tx, config, mesh)
@@ -158,11 +160,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       t_log, step_log = now, step
 
   try:
-    with _StopFlag() as stop:
+    with _StopFlag() as stop, shard_lib.activation_rules(mesh, config):
       for step in range(start, end):
         batch = next(train_it)
         batches_f.write(f"{step} {train_lib.batches_sha256([batch])}\n")
-        state, metrics = train_step(state, jax.device_put(batch, batch_sh))
+        state, metrics = train_step(state, shard_lib.shard_batch(batch, batch_sh))
         if pending is not None:
           handle(*pending)  # metrics read one step late: no host sync on the step just issued
         pending = (step + 1, metrics)

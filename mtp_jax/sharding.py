@@ -1,15 +1,38 @@
 """Device mesh and shardings. The only module that knows mesh axis names: the model only speaks
-logical axis names, and `config.mesh.rules` maps them to ("data", "fsdp", "tensor")."""
+logical axis names, and `config.mesh.rules` maps them to ("data", "fsdp", "tensor").
+
+Everything here is JAX's own SPMD partitioning (GSPMD through `jax.jit` in/out shardings): params
+and optimizer state are sharded FSDP-style over `fsdp` (the "embed" axis) and tensor-parallel
+over `tensor` (vocab, MLP and attention heads); the batch over (`data`, `fsdp`); the residual
+stream at block boundaries by `constrain`, active while a step is traced inside
+`activation_rules`. The stacked head axis ("mtp_heads") is replicated by default; a rule such as
+("mtp_heads", "tensor") placed before the others shards it (flax takes rules in order), and the
+loss scan over heads works either way. tests/test_sharding.py checks all of it against one
+device on 8 simulated CPU devices.
+
+Multi-host: call `maybe_initialize_distributed` first thing, build the mesh over `jax.devices()`
+(all hosts' devices), let every host read its own data shard (data/pipeline.py does
+`process_index::process_count`) and assemble the global batch with `shard_batch`.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import glob
+import logging
 import math
+import os
 
 import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from mtp_jax.config import DISTRIBUTED_MODES
+
+log = logging.getLogger(__name__)
 
 AXES = ("data", "fsdp", "tensor")
 
@@ -40,19 +63,133 @@ def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
 
 
 def rules(config: ml_collections.ConfigDict):
+  """The logical-axis rules as flax wants them (tuples, not the lists a JSON config gives)."""
   return tuple((name, tuple(ax) if isinstance(ax, list) else ax) for name, ax in config.mesh.rules)
+
+
+def _path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _check_divisible(path, shape, logical, spec, mesh: Mesh) -> None:
+  """device_put and jit refuse uneven shards with an error that names no parameter; say which
+  parameter, which logical axis, and what to change, before anything is allocated."""
+  for dim, (size, names, axes) in enumerate(zip(shape, logical, spec)):
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    n = math.prod(mesh.shape[a] for a in axes)
+    if size % n:
+      raise ValueError(
+          f"config.mesh.rules: {_path_name(path)} dim {dim} ({names!r}, size {size}) "
+          f"does not split over mesh axes {axes} ({n} devices); change that size in "
+          f"config.model or map {names!r} to None")
 
 
 def logical_shardings(boxed_tree, mesh: Mesh, config: ml_collections.ConfigDict):
   """NamedShardings for a pytree whose leaves carry logical partitioning boxes (e.g. the
-  abstract train state); unboxed leaves are replicated."""
-  specs = nn.get_partition_spec(boxed_tree)
-  return nn.logical_to_mesh_sharding(specs, mesh, rules(config))
+  abstract train state); unboxed leaves are replicated. ValueError if a sharded dimension does
+  not divide by its mesh axes."""
+  logical = nn.get_partition_spec(boxed_tree)
+  shardings = nn.logical_to_mesh_sharding(logical, mesh, rules(config))
+  is_spec = lambda x: isinstance(x, P)
+  for (path, names), sh, leaf in zip(
+      jax.tree_util.tree_flatten_with_path(logical, is_leaf=is_spec)[0],
+      jax.tree.leaves(shardings), jax.tree.leaves(nn.unbox(boxed_tree))):
+    shape = np.shape(leaf)
+    _check_divisible(path, shape, tuple(names) + (None,) * (len(shape) - len(names)),
+                     tuple(sh.spec) + (None,) * (len(shape) - len(sh.spec)), mesh)
+  return shardings
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batch rows over (data, fsdp): FSDP devices each take their own rows, as data devices do."""
   return NamedSharding(mesh, P(("data", "fsdp")))
+
+
+def check_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
+  """Every micro-batch must split evenly over the devices that share the batch axis."""
+  n = mesh.shape["data"] * mesh.shape["fsdp"]
+  micro = config.train.batch_size // config.train.grad_accum
+  if micro % n:
+    raise ValueError(f"config.train.batch_size: batch_size / grad_accum = {micro} rows must "
+                     f"divide over mesh data*fsdp = {n} devices")
+
+
+def shard_batch(batch, sharding: NamedSharding):
+  """The global batch from this host's rows: `jax.device_put` on one host, and on several hosts
+  each one passes its own `batch_size / process_count` rows (what the data pipeline yields)."""
+  if jax.process_count() == 1:
+    return jax.device_put(batch, sharding)
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+# (mesh, rules) while tracing inside `activation_rules`; None elsewhere.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("mtp_jax_activation_rules", default=None)
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, config: ml_collections.ConfigDict):
+  """While a jitted step is traced inside this context, `constrain` calls in the model pin
+  activations to the mesh by the config's rules; elsewhere they are no-ops, so one-device code
+  and tests need nothing. Enter it around the first call (the trace) of the jitted step.
+
+  `jax.set_mesh` is entered too because jax keys its trace caches on the mesh context: without
+  it a function traced once outside would be reused inside, constraints silently missing (seen).
+  flax's global `nn.logical_axis_rules` is deliberately not set: with it, flax also constrains
+  every param's init function, and DenseGeneral's flat-then-reshaped kernel init fails the rank
+  check inside apply's shape check (flax 0.12.8)."""
+  token = _ACTIVE.set((mesh, rules(config)))
+  try:
+    with jax.set_mesh(mesh):  # part of jax's trace-cache key, unlike our context variable
+      yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def constrain(x, logical_axes: tuple):
+  """`nn.with_logical_constraint` on the mesh and rules of the enclosing `activation_rules`."""
+  active = _ACTIVE.get()
+  if active is None:
+    return x
+  mesh, logical_rules = active
+  return nn.with_logical_constraint(x, logical_axes, rules=logical_rules, mesh=mesh)
+
+
+def _on_cloud_tpu() -> bool:
+  """TPU chips on this VM's PCI bus (what JAX itself looks at), without starting a backend:
+  jax.distributed must come first."""
+  try:
+    from jax._src import hardware_utils  # pylint: disable=import-outside-toplevel
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+  except Exception:  # pylint: disable=broad-except  (a private module: fall back to the nodes)
+    return bool(glob.glob("/dev/accel*") or os.environ.get("TPU_WORKER_HOSTNAMES"))
+
+
+def maybe_initialize_distributed(mode: str = "auto") -> bool:
+  """Starts `jax.distributed` for a multi-host run; returns whether it did. Call it before
+  anything touches a device (the mesh, the data pipeline's process_index).
+
+  "off": never. "on": always; JAX finds the coordinator itself on Cloud TPU, under Slurm
+  (`srun`, one process per host or per GPU), with Open MPI, or from JAX_COORDINATOR_ADDRESS,
+  JAX_NUM_PROCESSES and JAX_PROCESS_ID. "auto": as "on" when one of those is evident (TPU chips
+  on the PCI bus, SLURM_NTASKS > 1, JAX_COORDINATOR_ADDRESS set), otherwise a plain single
+  process. On a one-host TPU VM it initializes a one-process cluster, which changes nothing.
+  Orbax then writes each checkpoint from all hosts together; `Checkpointer` needs no change.
+  """
+  if mode not in DISTRIBUTED_MODES:
+    raise ValueError(f"config.mesh.distributed: got {mode!r}, allowed: "
+                     + ", ".join(map(repr, DISTRIBUTED_MODES)))
+  if mode == "off" or jax.distributed.is_initialized():
+    return False
+  if mode == "auto":
+    slurm = int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    if not (slurm or "JAX_COORDINATOR_ADDRESS" in os.environ or _on_cloud_tpu()):
+      return False
+  jax.distributed.initialize()
+  log.info("jax.distributed: process %d of %d, %d local / %d global devices",
+           jax.process_index(), jax.process_count(), jax.local_device_count(),
+           jax.device_count())
+  return True

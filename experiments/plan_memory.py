@@ -1,0 +1,234 @@
+"""Does a config fit on my chips, and what does MTP cost in memory? Answered on a CPU, before
+renting the chips.
+
+    python experiments/plan_memory.py --config configs/paper_7b_n4.py --devices 256 \
+        --mesh fsdp=256 [--batch 1024] [--hbm_gib 16] [--json plan.json] [--set model.x=...]
+
+Simulates `--devices` CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count, set before
+jax starts; the script re-executes itself if jax was already imported), builds the config's mesh,
+and compiles the real train step (forward, MTP loss, backward, optimizer update; donated state;
+the shardings `run.py` uses) on abstract shapes only: `jax.ShapeDtypeStruct`s carrying the
+shardings of `train.abstract_state` and `sharding.batch_sharding`, then `.lower().compile()`.
+Nothing is allocated. `memory_analysis()` of the compiled SPMD program is per device: argument,
+output, aliased (outputs written into donated arguments) and temp bytes. The same again for
+n_future = 1 with the same n_layers, which for parallel heads is the matched-parameter
+next-token model (Gloeckle et al. 2024 §3); the difference is what MTP costs.
+
+Peak per device ~ arguments + temp + (outputs - aliased). An estimate, not a guarantee: this
+is XLA:CPU's buffer assignment and scheduling, not the TPU or GPU compiler's (fusion, layouts,
+bf16 handling differ; nothing here has been checked against a real chip), and the runtime
+keeps its own reserve. `--hbm_gib` defaults to 16, a TPU v5e chip; a v4 or v6e chip has 32, a
+v5p 95, an H100 80. To see what fills `temp`, add XLA_FLAGS="--xla_dump_to=DIR
+--xla_dump_hlo_as_text" and read DIR/*jit_train_step*buffer-assignment.txt (largest values
+first): an unsharded all-gather or a stack of [S, S] attention scores shows at once.
+Each compile of a 7B or 13B model for 256 devices took 25-55 s on a busy 2-core CPU (1.4-1.8 GB
+of host memory); scanned layers keep it flat in depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--config", required=True, help="an ml_collections config file")
+  p.add_argument("--devices", type=int, required=True, help="simulated devices (chips)")
+  p.add_argument("--mesh", default="", help="axis sizes, e.g. fsdp=256 or data=2,fsdp=128; "
+                 "axes not named keep the config's value (one -1 fills)")
+  p.add_argument("--batch", type=int, default=0, help="global batch (train.batch_size); "
+                 "0 keeps the config's")
+  p.add_argument("--hbm_gib", type=float, default=16.0,
+                 help="memory per chip, GiB (default 16: TPU v5e; v4/v6e 32, v5p 95)")
+  p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                 help="config override, repeatable: --set model.d_model=64")
+  p.add_argument("--no_baseline", action="store_true", help="skip the n_future = 1 compile")
+  p.add_argument("--json", default="", help="write the records here")
+  return p.parse_args(argv)
+
+
+def ensure_devices(n: int) -> None:
+  """XLA reads the device count once, when jax starts: set it first, or start again."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  want = f"{_COUNT_FLAG}={n}"
+  if want in flags.split() and "jax" not in sys.modules:
+    return
+  os.environ["XLA_FLAGS"] = " ".join(re.sub(rf"{_COUNT_FLAG}=\d+", "", flags).split() + [want])
+  os.environ["JAX_PLATFORMS"] = "cpu"  # simulated CPU devices even on a GPU/TPU machine
+  if "jax" in sys.modules:
+    if os.environ.get("MTP_JAX_PLAN_REEXEC"):
+      raise RuntimeError("plan_memory: jax was imported before the device count could be set")
+    os.environ["MTP_JAX_PLAN_REEXEC"] = "1"
+    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__)] + sys.argv[1:])
+
+
+def load_config(path: str, overrides: list[str], mesh: str, batch: int):
+  spec = importlib.util.spec_from_file_location("plan_config", path)
+  if spec is None:
+    raise ValueError(f"--config: cannot load {path!r}")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  for item in overrides:
+    field, _, value = item.partition("=")
+    _set(c, field.strip(), value.strip())
+  for item in filter(None, mesh.split(",")):
+    axis, _, size = item.partition("=")
+    if axis.strip() not in ("data", "fsdp", "tensor") or not size.strip().lstrip("-").isdigit():
+      raise ValueError(f"--mesh: expected data=N, fsdp=N or tensor=N, got {item!r}")
+    c.mesh[axis.strip()] = int(size)
+  if batch:
+    c.train.batch_size = batch
+  return c
+
+
+def _set(c, field: str, value: str) -> None:
+  """`model.d_model=64`: the value converted to the field's type."""
+  *parents, name = field.split(".")
+  node = c
+  for part in parents:
+    node = node[part]
+  if name not in node:
+    raise ValueError(f"--set: no such config field {field!r}")
+  old = node[name]
+  if isinstance(old, bool):
+    new = value.lower() in ("1", "true", "yes")
+  elif isinstance(old, int):
+    new = int(value)
+  elif isinstance(old, float):
+    new = float(value)
+  elif isinstance(old, (tuple, list)):
+    new = tuple(ast.literal_eval(value))
+  else:
+    new = value
+  node[name] = new
+
+
+def plan(config, n_future: int) -> dict:
+  """Compiles the train step for `config` with `n_future` heads; memory per device."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from mtp_jax import optimizer as optim_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import train as train_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax.config import parse_head_weights  # pylint: disable=import-outside-toplevel
+  from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
+
+  c = config.copy_and_resolve_references()
+  c.model.n_future = n_future
+  if not isinstance(parse_head_weights(c.loss.head_weights), str):
+    c.loss.head_weights = "uniform"  # a per-head list does not fit another head count
+  model = build_model(c)  # validates
+  tx = optim_lib.make_optimizer(c)
+  mesh = shard_lib.make_mesh(c)
+  shard_lib.check_batch(c, mesh)
+  state = train_lib.abstract_state(model, tx, c, mesh)
+  state_sh = jax.tree.map(lambda s: s.sharding, state)
+  batch_sh = shard_lib.batch_sharding(mesh)
+  B, S = c.train.batch_size, c.data.seq_len
+  batch = {k: jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=batch_sh)
+           for k in ("tokens", "segment_ids")}
+  t0 = time.perf_counter()
+  with shard_lib.activation_rules(mesh, c):
+    step = jax.jit(train_lib.make_train_step(model, tx, c), in_shardings=(state_sh, batch_sh),
+                   out_shardings=(state_sh, None), donate_argnums=0)
+    compiled = step.lower(state, batch).compile()
+  compile_s = time.perf_counter() - t0
+  m = compiled.memory_analysis()
+  shard_bytes = lambda tree: sum(
+      int(np.prod(s.sharding.shard_shape(s.shape))) * np.dtype(s.dtype).itemsize
+      for s in jax.tree.leaves(tree))
+  rec = {
+      "n_future": n_future,
+      "head_kind": c.model.heads.kind,
+      "n_params": int(sum(np.prod(s.shape) for s in jax.tree.leaves(state.params))),
+      "mesh": dict(zip(shard_lib.AXES, (int(x) for x in mesh.devices.shape))),
+      "devices": int(mesh.devices.size),
+      "batch": B, "seq_len": S, "grad_accum": c.train.grad_accum,
+      "dtype": c.model.dtype, "remat_policy": c.model.remat_policy,
+      "token_chunks": c.loss.token_chunks,
+      "state_bytes_per_device": shard_bytes(state),
+      "argument_bytes": int(m.argument_size_in_bytes),
+      "output_bytes": int(m.output_size_in_bytes),
+      "alias_bytes": int(m.alias_size_in_bytes),
+      "temp_bytes": int(m.temp_size_in_bytes),
+      "compile_seconds": round(compile_s, 1),
+  }
+  rec["peak_bytes"] = (rec["argument_bytes"] + rec["temp_bytes"]
+                       + max(rec["output_bytes"] - rec["alias_bytes"], 0))
+  return rec
+
+
+def report(records: list[dict], hbm_gib: float, config_path: str) -> str:
+  first = records[0]
+  big = max(r["peak_bytes"] for r in records) >= 2**30
+  unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+  gib = lambda b: f"{b / scale:.2f}"
+  mesh = " ".join(f"{k}={v}" for k, v in first["mesh"].items())
+  count = lambda n: f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+  lines = [
+      f"{config_path}: {first['head_kind']} heads, {count(first['n_params'])} params, "
+      f"mesh {mesh} ({first['devices']} simulated devices), batch {first['batch']} x "
+      f"{first['seq_len']} (grad_accum {first['grad_accum']}), {first['dtype']}, remat "
+      f"{first['remat_policy']}",
+      "",
+      f"| {unit} per device | " + " | ".join(f"n_future={r['n_future']}" for r in records)
+      + (" | MTP extra |" if len(records) == 2 else " |"),
+      "|---|" + "---|" * (len(records) + (len(records) == 2)),
+  ]
+  for key, label in (("state_bytes_per_device", "train state (params + opt)"),
+                     ("argument_bytes", "arguments"), ("output_bytes", "outputs"),
+                     ("alias_bytes", "aliased (donated)"), ("temp_bytes", "temp"),
+                     ("peak_bytes", "peak = args + temp + outputs - aliased")):
+    row = [gib(r[key]) for r in records]
+    if len(records) == 2:
+      row.append(f"{(records[0][key] - records[1][key]) / scale:+.2f}")
+    lines.append(f"| {label} | " + " | ".join(row) + " |")
+  if len(records) == 2 and records[1]["n_params"] != first["n_params"]:
+    lines.append(f"(n_future=1 has {count(records[1]['n_params'])} params: not matched)")
+  lines.append("")
+  for r in records:
+    peak = r["peak_bytes"] / 2**30
+    verdict = "fits in" if peak <= hbm_gib else "does NOT fit in"
+    lines.append(f"n_future={r['n_future']}: peak {r['peak_bytes'] / scale:.2f} {unit} per device "
+                 f"{verdict} {hbm_gib:g} GiB per chip ({100 * peak / hbm_gib:.0f}%; compiled in "
+                 f"{r['compile_seconds']:.0f}s)")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  if args.devices < 1:
+    print("error: --devices: must be >= 1", file=sys.stderr)
+    return 2
+  ensure_devices(args.devices)
+  try:
+    config = load_config(args.config, args.set, args.mesh, args.batch)
+    records = [plan(config, config.model.n_future)]
+    if not args.no_baseline and config.model.n_future > 1:
+      records.append(plan(config, 1))
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  for r in records:
+    r["hbm_gib"] = args.hbm_gib
+    r["fits"] = r["peak_bytes"] <= args.hbm_gib * 2**30
+  print(report(records, args.hbm_gib, args.config), flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"config": args.config, "overrides": args.set, "records": records}, f, indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -29,6 +29,7 @@ def get_config():
   m.tie_embeddings = False
   m.n_future = 4
   m.heads.kind = "parallel"
+  m.heads.parallel_stack = "scan"  # one head block alive at a time (plan_memory: vmap is far bigger)
   m.dtype = "bfloat16"
   m.remat_policy = "full"
 

@@ -56,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"  # compute dtype; params stay float32
   c.model.heads = ml_collections.ConfigDict()
   c.model.heads.kind = "parallel"
+  # Parallel head blocks: "vmap" runs them side by side (fast on small models); "scan" runs one
+  # at a time, so only one head's activations are alive (what large models need: plan_memory).
+  c.model.heads.parallel_stack = "vmap"
   c.model.heads.seq_preset = "deepseek_v3"  # sets the three fields below unless "" (custom)
   c.model.heads.seq_concat = "emb_first"
   c.model.heads.seq_trunk_state = "post_norm"
@@ -197,6 +200,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   m = c.model
   apply_presets(c)
   _choice(c, "model.heads.kind", HEAD_KINDS)
+  _choice(c, "model.heads.parallel_stack", ("vmap", "scan"))
   _choice(c, "model.heads.seq_concat", SEQ_CONCAT)
   _choice(c, "model.heads.seq_trunk_state", SEQ_TRUNK_STATE)
   _choice(c, "model.heads.seq_output_norm", SEQ_OUTPUT_NORM)

@@ -58,12 +58,22 @@ class ParallelHeads(nn.Module):
   def __call__(self, z_BxSxD, s: Shared, cache=None, chain: bool = False):
     del chain
     a = self.args
-    blocks = nn.vmap(
-        remat(Block, a.remat_policy), variable_axes={"params": 0},
-        split_rngs={"params": True}, in_axes=(None, None, None, 0), out_axes=0,
-        axis_size=a.n_future, metadata_params={nn.PARTITION_NAME: "mtp_heads"})
-    h_NxBxSxD, new_cache = blocks(a, name="blocks")(z_BxSxD, s.positions_BxS,
-                                                    s.segment_ids_BxS, cache)
+    lifted = dict(variable_axes={"params": 0}, split_rngs={"params": True},
+                  metadata_params={nn.PARTITION_NAME: "mtp_heads"})
+    if a.parallel_stack == "vmap":
+      blocks = nn.vmap(remat(Block, a.remat_policy), in_axes=(None, None, None, 0), out_axes=0,
+                       axis_size=a.n_future, **lifted)
+      h_NxBxSxD, new_cache = blocks(a, name="blocks")(z_BxSxD, s.positions_BxS,
+                                                      s.segment_ids_BxS, cache)
+    else:  # same parameter layout, one head block alive at a time
+
+      def one_head(block, carry, head_cache):
+        h_BxSxD, c = block(z_BxSxD, s.positions_BxS, s.segment_ids_BxS, head_cache)
+        return carry, (h_BxSxD, c)
+
+      scan = nn.scan(one_head, in_axes=0, length=a.n_future, **lifted)
+      _, (h_NxBxSxD, new_cache) = scan(remat(Block, a.remat_policy)(a, name="blocks"), None,
+                                       cache)
     return rms_norm(h_NxBxSxD, s.norm_D, a.norm_eps), new_cache
 
 

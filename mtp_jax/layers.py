@@ -39,6 +39,7 @@ class ModelArgs:
   scan_layers: bool = True
   dtype: Any = jnp.float32
   head_kind: str = "parallel"
+  parallel_stack: str = "vmap"
   seq_concat: str = "emb_first"
   seq_trunk_state: str = "post_norm"
   seq_output_norm: str = "per_module"
@@ -51,7 +52,8 @@ class ModelArgs:
         n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, d_ff=m.d_ff, max_len=m.max_len,
         rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
         remat_policy=m.remat_policy, scan_layers=m.scan_layers,
-        dtype=jnp.dtype(m.dtype), head_kind=m.heads.kind, seq_concat=m.heads.seq_concat,
+        dtype=jnp.dtype(m.dtype), head_kind=m.heads.kind,
+        parallel_stack=m.heads.parallel_stack, seq_concat=m.heads.seq_concat,
         seq_trunk_state=m.heads.seq_trunk_state, seq_output_norm=m.heads.seq_output_norm)
 
   @property

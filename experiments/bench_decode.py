@@ -126,6 +126,7 @@ def plots(records, png_dir):
     if r["batch"] == 1:
       pos = np.arange(2, len(r["acceptance_by_position"]) + 2)
       ax.plot(pos, r["acceptance_by_position"], "o-", label=f"prompt {r['prompt_len']}")
+      ax.set_xticks(pos)
   ax.set(xlabel="head (draft position)", ylabel="P(draft accepted)", ylim=(0, 1),
          title="Acceptance by head, batch 1")
   ax.legend()

@@ -274,3 +274,12 @@ def test_generate_workdir_without_checkpoint(corpus, tmp_path):
   from mtp_jax import generate
   with pytest.raises(ValueError, match="no checkpoint"):
     generate.run(str(wd), ["x"], max_new_tokens=4, mode="greedy", heads=None)
+
+
+def test_relative_workdir_checkpoints_commit(corpus, tmp_path):
+  """orbax refuses relative paths only in its background commit: a run must still checkpoint."""
+  cmd = train_cmd(corpus, "rel/run", "--config.train.steps=5")
+  p = subprocess.run(cmd, env=env_for(corpus), cwd=tmp_path, capture_output=True, text=True,
+                     timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert ckpt_steps(tmp_path / "rel" / "run") == [5]

@@ -12,43 +12,17 @@ micro-batch (batch 1024 = 4M tokens, grad_accum 4, on 256 chips). Check the fit 
     python experiments/plan_memory.py --config configs/paper_13b_n4.py --devices 256 --mesh fsdp=256
 """
 
-from mtp_jax.config import base_config
+import os
+
+from mtp_jax.config import load_file
 
 
 def get_config():
-  c = base_config()
+  c = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper_7b_n4.py"))
   m = c.model
-  m.vocab_size = 32000
   m.d_model = 5120
   m.n_layers = 40
   m.n_heads = 40
   m.n_kv_heads = 40
   m.d_ff = 13824
-  m.max_len = 4096
-  m.norm_eps = 1e-5
-  m.tie_embeddings = False
-  m.n_future = 4
-  m.heads.kind = "parallel"
-  m.heads.parallel_stack = "scan"  # one head block alive at a time (plan_memory: vmap is far bigger)
-  m.dtype = "bfloat16"
-  m.remat_policy = "full"
-
-  c.loss.token_chunks = 4
-
-  c.data.tokenizer = "sentencepiece"
-  c.data.spm_path = "tokenizer.model"  # Llama 2's SentencePiece model: point this at your copy
-  c.data.seq_len = 4096
-
-  c.train.batch_size = 1024
-  c.train.grad_accum = 4
-  c.train.steps = 50000
-  c.train.eval_every = 1000
-  c.train.checkpoint_every = 1000
-
-  c.optim.lr = 3e-4
-  c.optim.warmup_steps = 2000
-
-  c.mesh.data = 1
-  c.mesh.fsdp = -1
-  c.mesh.tensor = 1
   return c

@@ -12,7 +12,6 @@ round, so machine noise hits them alike; quote the ratios, not the seconds.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import time
@@ -23,21 +22,15 @@ import numpy as np
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import train as train_lib
+from mtp_jax.config import load_file
 from mtp_jax.model import build_model, param_count
 
 VARIANTS = [("parallel", 1), ("parallel", 2), ("parallel", 4), ("sequential", 4),
             ("projection", 4)]
 
 
-def load_config(path):
-  spec = importlib.util.spec_from_file_location("bench_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
 def setup(config_path, kind, n_future, overrides):
-  c = load_config(config_path)
+  c = load_file(config_path)
   c.model.heads.kind = kind
   c.model.n_future = n_future
   c.loss.head_weights = "deepseek" if kind == "sequential" else "uniform"

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
 import json
 import os
 import re
@@ -72,12 +71,8 @@ def ensure_devices(n: int) -> None:
 
 
 def load_config(path: str, overrides: list[str], mesh: str, batch: int):
-  spec = importlib.util.spec_from_file_location("plan_config", path)
-  if spec is None:
-    raise ValueError(f"--config: cannot load {path!r}")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config()
+  from mtp_jax.config import load_file  # pylint: disable=import-outside-toplevel  (jax first)
+  c = load_file(path)
   for item in overrides:
     field, _, value = item.partition("=")
     _set(c, field.strip(), value.strip())

@@ -136,6 +136,19 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def load_file(path: str) -> ml_collections.ConfigDict:
+  """`get_config()` of a config file, loaded by path as config_flags does (configs/ is not a
+  package: a variant file loads its base this way)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location(
+      "mtp_jax_config_" + os.path.splitext(os.path.basename(path))[0], path)
+  if spec is None or not os.path.isfile(path):
+    raise ValueError(f"--config: cannot load {path!r}")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
 def load_json(path: str) -> ml_collections.ConfigDict:
   """A config saved by a training run (workdir/config.json), on top of today's defaults so that
   a workdir from before a field existed still loads."""

@@ -169,12 +169,8 @@ def test_corrupt_latest_falls_back(corpus, reference, tmp_path, damage):
 
 
 def test_nonfinite_step_is_skipped_and_params_unchanged(corpus):
-  from mtp_jax.config import base_config
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs/tiny.py"))
-  tiny = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(tiny)
-  config = tiny.get_config()
+  from mtp_jax.config import load_file
+  config = load_file(os.path.join(ROOT, "configs/tiny.py"))
   config.train.debug_nonfinite_steps = (0,)
   config.optim.warmup_steps = 0  # a skipped step does not advance the schedule: lr(0) must be > 0
   model = build_model(config)
@@ -190,7 +186,6 @@ def test_nonfinite_step_is_skipped_and_params_unchanged(corpus):
   state, m = step(state, batch)  # step 1 is clean: params move, the consecutive count resets
   assert int(m["nonfinite_total"]) == 1 and int(m["nonfinite_consecutive"]) == 0
   assert train_lib.params_sha256(state.params) != train_lib.params_sha256(before)
-  del base_config
 
 
 def test_consecutive_nonfinite_stops_and_keeps_checkpoint(corpus, tmp_path):

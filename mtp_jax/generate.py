@@ -14,7 +14,6 @@ import dataclasses
 import os
 import sys
 
-import jax
 import ml_collections
 import numpy as np
 from absl import app, flags

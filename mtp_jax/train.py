@@ -9,13 +9,8 @@ one (`params_sha256` in DIR/summary.json).
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
-import os
-import signal
 import sys
-import time
 from typing import Any
 
 import flax
@@ -28,11 +23,10 @@ import optax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mtp_jax import config as config_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
-from mtp_jax.model import MTPModel, build_model
+from mtp_jax.model import MTPModel
 
 
 @flax.struct.dataclass

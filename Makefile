@@ -13,7 +13,13 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# torch goes in first, pinned to a CPU build where one is at hand (the default here is a wheel of
+# 2.13.0 that lies on disk; plain `torch` from PyPI is a CUDA build of several GB). Override with
+# e.g. TORCH="torch --index-url https://download.pytorch.org/whl/cpu".
+TORCH ?= torch==2.13.0
+
 $(STAMP): setup.py | $(BIN)/python
+	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 

@@ -23,6 +23,20 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist", "chex>=0.1.89"],
+        # Importing Meta / DeepSeek checkpoints and exporting to Hugging Face (mtp_jax.convert).
+        "convert": ["torch>=2.4", "safetensors>=0.4"],
+        "test": [
+            "pytest>=8",
+            "pytest-xdist",
+            "chex>=0.1.89",
+            # convert tests: torch reference forwards, transformers' LlamaForCausalLM.
+            "torch>=2.4",
+            "safetensors>=0.4",
+            "transformers>=4.45",
+            # notebooks executed by tests/test_notebooks.py.
+            "nbclient>=0.10",
+            "nbformat>=5.10",
+            "ipykernel>=6.29",
+        ],
     },
 )

@@ -149,6 +149,18 @@ class Checkpointer:
     """The newest step on disk or being saved, unchecked; None when there is none."""
     return self._mgr.latest_step()
 
+  def saved_keys(self) -> set[str] | None:
+    """Top-level keys of the newest step's saved state, unchecked; None when there is no step or
+    its metadata does not read. {"params"} marks a params-only checkpoint (mtp_jax.convert)."""
+    step = self._mgr.latest_step()
+    if step is None:
+      return None
+    try:
+      tree = self._mgr.item_metadata(step)[STATE].tree
+      return {str(path[0]) for path in ocp.tree.to_flat_dict(tree)}
+    except Exception:  # pylint: disable=broad-except
+      return None
+
   def restore_latest(self, abstract_state: Any, data_iter: Any = None):
     """Returns (state, step) from the newest step that restores cleanly, or None if none exist.
 

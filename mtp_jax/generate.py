@@ -38,7 +38,8 @@ class Loaded:
 
 
 def load_workdir(workdir: str) -> Loaded:
-  """Config, model, params (latest good checkpoint) and tokenizer of a training workdir."""
+  """Config, model, params (latest good checkpoint) and tokenizer of a training workdir, or of
+  one written by `mtp_jax.convert` (its checkpoint holds the params alone)."""
   cfg_path = os.path.join(workdir, "config.json")
   if not os.path.isfile(cfg_path):
     raise ValueError(f"--workdir: {workdir!r} has no config.json; train into it first with "
@@ -50,13 +51,17 @@ def load_workdir(workdir: str) -> Loaded:
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints,
                       async_save=False)
   try:
-    restored = ckpt.restore_latest(train_lib.abstract_state(model, tx, config, mesh))
+    target = train_lib.abstract_state(model, tx, config, mesh)
+    if ckpt.saved_keys() == {"params"}:  # imported by mtp_jax.convert: no optimizer state
+      target = {"params": target.params}
+    restored = ckpt.restore_latest(target)
   finally:
     ckpt.close()
   if restored is None:
     raise ValueError(f"--workdir: {workdir!r} has no checkpoint in checkpoints/")
   state, step = restored
-  return Loaded(config, model, state.params, tokenizers.get_tokenizer(config.data), step)
+  params = state["params"] if isinstance(state, dict) else state.params
+  return Loaded(config, model, params, tokenizers.get_tokenizer(config.data), step)
 
 
 def encode_prompts(tokenizer, texts: list[str]) -> list[np.ndarray]:

@@ -79,7 +79,8 @@ class ByteTokenizer:
 class SentencePieceTokenizer:
   """A SentencePiece model loaded by path, with the byte tokenizer's interface.
 
-  The model must define pad, bos and eos ids (models trained by `train_sentencepiece` do).
+  The model must define bos and eos ids (models trained by `train_sentencepiece` do); without a
+  pad piece (Llama's tokenizer) the unk id pads.
   `encode` refuses text that maps to the unknown piece rather than training on a silent `<unk>`;
   a model trained with `byte_fallback=True` never produces one. With the settings of
   `train_sentencepiece` decode(encode(text)) == text, except that U+2581 ("▁"), SentencePiece's
@@ -94,6 +95,10 @@ class SentencePieceTokenizer:
     self.bos_id = int(self._sp.bos_id())
     self.eos_id = int(self._sp.eos_id())
     self.unk_id = int(self._sp.unk_id())
+    if self.pad_id < 0 and self.unk_id >= 0:
+      # Llama's tokenizer defines no pad piece. Padding is masked by segment ids and cut by
+      # lengths when decoding, so any id serves; unk is one no text of ours encodes to.
+      self.pad_id = self.unk_id
     for name in ("pad_id", "bos_id", "eos_id"):
       if getattr(self, name) < 0:
         raise ValueError(f"config.data.spm_path: the model {path!r} defines no {name}; train one "

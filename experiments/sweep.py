@@ -1,0 +1,50 @@
+"""Run a scaling-law sweep: one `python -m mtp_jax.train` run per entry of a sweep file.
+
+    python experiments/sweep.py --sweep experiments/sweeps/size_x_n.py --root runs/size_x_n \
+        [--parallel 2] [--dry_run] [--set data.corpus=text_folder data.folder=~/src]
+
+Each run trains in ROOT/NAME (log: ROOT/NAME/train.log). Rerunning skips finished runs and resumes
+unfinished ones; a failed run is reported and the others go on. Writes ROOT/sweep.json and
+ROOT/results.csv; then `python experiments/analyze_sweep.py ROOT`. Exit status: 0 all runs
+finished, 1 some failed or were interrupted, 2 bad input. The logic is in mtp_jax/sweep.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mtp_jax import sweep as sweep_lib
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--sweep", required=True, help="sweep file (BASE_CONFIG, get_runs())")
+  ap.add_argument("--root", required=True, help="folder for the runs, sweep.json, results.csv")
+  ap.add_argument("--parallel", type=int, default=1, help="runs at once (CPU: each gets "
+                  "cpus/parallel cores by affinity)")
+  ap.add_argument("--dry_run", action="store_true", help="print what would run, run nothing")
+  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                  help="overrides for every run, not part of the run names")
+  ap.add_argument("--no_pin", action="store_true", help="do not split CPUs between runs")
+  args = ap.parse_args()
+  try:
+    extra = {}
+    for kv in args.set:
+      if "=" not in kv:
+        raise ValueError(f"--set: expected KEY=VALUE, got {kv!r}")
+      key, value = kv.split("=", 1)
+      extra[key] = value
+    sweep = sweep_lib.load_sweep(args.sweep, extra)
+    record = sweep_lib.run_sweep(sweep, args.root, args.parallel, dry_run=args.dry_run,
+                                 pin_cpus=not args.no_pin)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    return 1
+  return int(any(r["status"] in ("failed", "interrupted") for r in record["runs"]))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -23,7 +23,8 @@ import numpy as np
 _STATUS_OK = ("done", "skipped")
 
 
-def _read_json(path: str) -> dict | None:
+def read_json(path: str) -> dict | None:
+  """A JSON file's object, or None if it is missing or unreadable (a run still writing it)."""
   try:
     with open(path) as f:
       return json.load(f)
@@ -73,12 +74,12 @@ def gather_results(root: str) -> list[dict]:
   (Kaplan et al.'s convention). Both ignore attention's sequence-length term and the extra
   heads' unembedding matmuls.
   """
-  record = _read_json(os.path.join(root, "sweep.json"))
+  record = read_json(os.path.join(root, "sweep.json"))
   if record is None:
     raise ValueError(f"{root}: no sweep.json (run the sweep first)")
   runs = record["runs"]
   keys = list(dict.fromkeys(k for r in runs for k in r["overrides"]))
-  summaries = [_read_json(os.path.join(r["workdir"], "summary.json")) or {} for r in runs]
+  summaries = [read_json(os.path.join(r["workdir"], "summary.json")) or {} for r in runs]
   max_n = max([int(s.get("n_future", 1)) for s in summaries] + [1])
   per_head = [f"eval/head{k}_{m}" for k in range(1, max_n + 1) for m in ("loss", "acc", "agree")]
   columns = (["name", "status"] + keys + ["head_kind", "n_future", "n_params", "n_params_nonembed",
@@ -88,7 +89,7 @@ def gather_results(root: str) -> list[dict]:
   for r, s in zip(runs, summaries):
     row = {"name": r["name"], "status": r["status"], **r["overrides"]}
     if s:
-      config = _read_json(os.path.join(r["workdir"], "config.json"))
+      config = read_json(os.path.join(r["workdir"], "config.json"))
       emb = _embedding_params(config)
       n_params, tokens = s["n_params"], s["tokens_seen"]
       row.update({k: s.get(k) for k in ("head_kind", "n_future", "n_params", "tokens_seen",

@@ -123,14 +123,6 @@ def train_command(sweep: Sweep, run: Run, workdir: str) -> list[str]:
                                    for k, v in sweep.overrides(run).items()]
 
 
-def _read_json(path: str) -> dict | None:
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
-
-
 def _norm(value: Any) -> Any:
   """A config value or override, comparable across JSON and command-line spellings."""
   if isinstance(value, bool):
@@ -154,7 +146,7 @@ def _same(saved: Any, wanted: Any) -> bool:
 def check_workdir(sweep: Sweep, run: Run, workdir: str) -> tuple[str, str]:
   """(state, detail): "finished", "resume" (checkpoints there), "new", or "mismatch" (the
   workdir's config.json disagrees with the run's overrides: resuming would mix two runs)."""
-  saved = _read_json(os.path.join(workdir, "config.json"))
+  saved = scaling.read_json(os.path.join(workdir, "config.json"))
   if saved is not None:
     for key, wanted in sweep.overrides(run).items():
       value = saved
@@ -163,7 +155,7 @@ def check_workdir(sweep: Sweep, run: Run, workdir: str) -> tuple[str, str]:
       if value is not None and not _same(value, wanted):
         return "mismatch", (f"{workdir} holds a run with {key}={flag_value(value)}, the sweep "
                             f"asks for {flag_value(wanted)}: remove it or rename the run")
-  summary = _read_json(os.path.join(workdir, "summary.json"))
+  summary = scaling.read_json(os.path.join(workdir, "summary.json"))
   overrides = sweep.overrides(run)
   if summary and not summary.get("interrupted") and summary.get("step") == summary.get("steps"):
     wanted = overrides.get("train.steps")
@@ -294,7 +286,7 @@ def run_sweep(sweep: Sweep, root: str, parallel: int = 1, *, dry_run: bool = Fal
     r = next(r for r in records if r["name"] == name)
     secs = time.time() - t_start
     r["returncode"], r["seconds"] = rc, round(secs, 1)
-    summary = _read_json(os.path.join(r["workdir"], "summary.json")) or {}
+    summary = scaling.read_json(os.path.join(r["workdir"], "summary.json")) or {}
     if rc == 0 and summary.get("step") == summary.get("steps") and not summary.get("interrupted"):
       r["status"] = "done"
       trained_secs.append(secs)

@@ -8,13 +8,13 @@ import csv
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+from conftest import copy_code_corpus
 
 from mtp_jax import scaling
 from mtp_jax import sweep as sweep_lib
@@ -32,16 +32,10 @@ def sweep_cmd(sweep_file, root, corpus, *args):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-  root = tmp_path_factory.mktemp("sweep_corpus")
-  folder = root / "code"
-  folder.mkdir()
-  src = os.path.dirname(json.__file__)
-  for name in sorted(os.listdir(src)):
-    if name.endswith(".py"):
-      shutil.copy(os.path.join(src, name), folder / name)
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
-  return {"folder": str(folder), "data_dir": str(root / "datasets"), "env": env}
+  corpus = copy_code_corpus(tmp_path_factory.mktemp("sweep_corpus"))
+  corpus["env"] = dict(os.environ, JAX_COMPILATION_CACHE_DIR=corpus["cache"],
+                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+  return corpus
 
 
 @pytest.fixture(scope="module")

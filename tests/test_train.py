@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import copy_code_corpus
 
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
@@ -28,15 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
   """A few real Python files as a text_folder corpus, and a data dir shared by every run."""
-  root = tmp_path_factory.mktemp("train_corpus")
-  folder = root / "code"
-  folder.mkdir()
-  src = os.path.dirname(json.__file__)
-  for name in sorted(os.listdir(src)):
-    if name.endswith(".py"):
-      shutil.copy(os.path.join(src, name), folder / name)
-  return {"folder": str(folder), "data_dir": str(root / "datasets"),
-          "cache": str(root / "jax_cache")}
+  return copy_code_corpus(tmp_path_factory.mktemp("train_corpus"))
 
 
 def train_cmd(corpus, workdir, *overrides):

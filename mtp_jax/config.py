@@ -29,7 +29,9 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 HEAD_WEIGHTS = ("uniform", "geometric", "deepseek")
 SCHEDULES = ("cosine", "linear", "constant")
 TOKENIZERS = ("byte", "sentencepiece")
-CORPORA = ("python_code", "text_folder")
+CORPORA = ("python_code", "text_folder", "induction", "polynomial")
+TASK_CORPORA = ("induction", "polynomial")  # synthetic, mtp_jax/data/tasks.py
+POLY_OPS = "+-*o"  # polynomial task: add, negate, multiply, compose
 DTYPES = ("float32", "bfloat16")
 DISTRIBUTED_MODES = ("auto", "on", "off")
 
@@ -84,6 +86,20 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.seq_len = 256
   c.data.shuffle_seed = 0
   c.data.worker_count = 0
+  # True: a document that does not fit in the rest of a row starts the next one (padding).
+  c.data.whole_docs = False
+  # Synthetic tasks (Gloeckle et al. 2024 §4; data/tasks.py), generated from task_seed.
+  c.data.task_seed = 0
+  c.data.task_train_size = 50_000  # train examples
+  c.data.task_eval_size = 1_000  # examples of each other split
+  c.data.induction_len = 63  # letters per example (+ eos: 64 tokens)
+  c.data.induction_pairs = 4  # distinct names per example
+  c.data.induction_repeats = 3  # occurrences of each name
+  c.data.poly_modulus = 7  # the ring F_p[X]/(X^d): p ...
+  c.data.poly_degree = 5  # ... and d (a polynomial is d coefficients)
+  c.data.poly_ops = "+-*"  # operations drawn, from POLY_OPS; the paper adds "o"
+  c.data.poly_train_ops = 5  # train and validation: 1..poly_train_ops operations
+  c.data.poly_ood_ops = 8  # test_ood: poly_train_ops+1..poly_ood_ops
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 3e-3
@@ -208,6 +224,58 @@ def apply_presets(c: ml_collections.ConfigDict) -> None:
       h[field] = value
 
 
+def poly_max_len(n_ops: int, degree: int) -> int:
+  """Characters of the longest polynomial-task example with n_ops operations: all binary, 2
+  characters each ("* "), degree + 1 per operand, "=" and the answer."""
+  return 2 * n_ops + (n_ops + 1) * (degree + 1) + degree
+
+
+def _validate_task(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:
+  """The `data.*` fields of the synthetic tasks (checked when data.corpus names one)."""
+  if d.tokenizer != "byte":
+    _fail("data.tokenizer", f"the {d.corpus} task counts one token per character: it needs "
+          f"'byte', got {d.tokenizer!r}")
+  if d.task_seed < 0:
+    _fail("data.task_seed", f"must be >= 0, got {d.task_seed}")
+  for field in ("task_train_size", "task_eval_size"):
+    if d[field] < 1:
+      _fail(f"data.{field}", f"must be >= 1, got {d[field]}")
+  if d.corpus == "induction":
+    if not 1 <= d.induction_pairs <= 26:
+      _fail("data.induction_pairs", f"must be in [1, 26] (one uppercase letter each), got "
+            f"{d.induction_pairs}")
+    if d.induction_repeats < 2:
+      _fail("data.induction_repeats", f"must be >= 2 (a name must recur to be copied), got "
+            f"{d.induction_repeats}")
+    need = 2 * d.induction_pairs * d.induction_repeats
+    if d.induction_len < need:
+      _fail("data.induction_len", f"must be >= 2 * induction_pairs * induction_repeats "
+            f"({need}), got {d.induction_len}")
+    if d.induction_len >= d.seq_len:
+      _fail("data.induction_len", f"must be < data.seq_len ({d.seq_len}) so an example and its "
+            f"eos fit in a row, got {d.induction_len}")
+    return
+  if d.poly_modulus not in (2, 3, 5, 7):
+    _fail("data.poly_modulus", f"must be a prime of one digit (2, 3, 5, 7), got {d.poly_modulus}")
+  if d.poly_degree < 1:
+    _fail("data.poly_degree", f"must be >= 1, got {d.poly_degree}")
+  ops = str(d.poly_ops)
+  if not ops or any(op not in POLY_OPS for op in ops) or len(set(ops)) != len(ops):
+    _fail("data.poly_ops", f"must be distinct characters of {POLY_OPS!r}, got {ops!r}")
+  if d.poly_train_ops < 1:
+    _fail("data.poly_train_ops", f"must be >= 1, got {d.poly_train_ops}")
+  if d.poly_ood_ops <= d.poly_train_ops:
+    _fail("data.poly_ood_ops", f"must be > data.poly_train_ops ({d.poly_train_ops}), got "
+          f"{d.poly_ood_ops}")
+  longest = lambda n: poly_max_len(n, d.poly_degree)
+  if longest(d.poly_train_ops) >= d.seq_len:
+    _fail("data.seq_len", f"must be > {longest(d.poly_train_ops)} (the longest polynomial "
+          f"example with {d.poly_train_ops} operations, and its eos), got {d.seq_len}")
+  if longest(d.poly_ood_ops) > m.max_len:
+    _fail("model.max_len", f"must be >= {longest(d.poly_ood_ops)} (the longest test_ood "
+          f"example, {d.poly_ood_ops} operations), got {m.max_len}")
+
+
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks every field the code relies on; raises ValueError naming the field. Returns c."""
   m = c.model
@@ -238,6 +306,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   d = c.data
   _choice(c, "data.corpus", CORPORA)
   _choice(c, "data.tokenizer", TOKENIZERS)
+  if d.corpus in TASK_CORPORA:
+    _validate_task(d, m)
   if d.seq_len <= m.n_future:
     _fail("data.seq_len", f"must be > model.n_future ({m.n_future}) so every head has a "
           f"target, got {d.seq_len}")

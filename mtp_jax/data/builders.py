@@ -5,6 +5,7 @@ Two corpora, chosen by `data.corpus`:
                 site-packages left out): a code corpus every machine already has.
   text_folder   the files under `data.folder` matching `data.glob` (recursive, hidden files and
                 folders skipped): the user's own text or code.
+The synthetic tasks (`induction`, `polynomial`) are built in tasks.py, through `get_builder`.
 
 Each record is {"text": the file's UTF-8 text, "path": its path relative to the root}; files
 that are not valid UTF-8 are skipped. A file goes to validation when the SHA-1 of its relative
@@ -104,23 +105,27 @@ class CorpusConfig(tfds.core.BuilderConfig):
   files: tuple = dataclasses.field(default=(), repr=False)  # (relative, absolute) pairs
 
 
-class _CorpusBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """Writes the config's files as {"text", "path"} records, in sorted-path order per split.
+class LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """Base of the builders here and in tasks.py.
 
   Not registered with tfds (builders are made by `get_builder`, not looked up by name), so
   importing this module twice, or a tfds catalog dataset of the same name, cannot collide.
   """
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "text and relative path per file; split by path hash"}
-
   @tfds.core.utils.classproperty
   @classmethod
   def code_path(cls) -> epath.Path:
-    """This file. tfds 4.9.10 finds it through `importlib_resources`, a package it only declares
-    for Python < 3.9, so building from any installed package fails without this
+    """The file that defines cls. tfds 4.9.10 finds it through `importlib_resources`, a package
+    it only declares for Python < 3.9, so building from any installed package fails without this
     (tensorflow/datasets#11212); tfds itself falls back to the same answer."""
     return epath.Path(inspect.getfile(cls))
+
+
+class _CorpusBuilder(LocalBuilder, skip_registration=True):
+  """Writes the config's files as {"text", "path"} records, in sorted-path order per split."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "text and relative path per file; split by path hash"}
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
@@ -173,9 +178,18 @@ class TextFolder(_CorpusBuilder, skip_registration=True):
   """The files of a user's folder that match a glob."""
 
 
-def get_builder(data_config) -> _CorpusBuilder:
+def splits_of(data_config) -> tuple[str, ...]:
+  """The splits of the corpus or task `data.corpus` names."""
+  from mtp_jax.data import tasks  # pylint: disable=import-outside-toplevel
+  return tasks.SPLITS.get(data_config.corpus, SPLITS)
+
+
+def get_builder(data_config) -> LocalBuilder:
   """The builder `data.corpus` names, configured from `data.*`; builds nothing."""
+  from mtp_jax.data import tasks  # pylint: disable=import-outside-toplevel  (tasks imports us)
   d = data_config
+  if d.corpus in tasks.TASKS:
+    return tasks.get_builder(d)
   vp = d.val_percent
   val = f"val{vp}".replace(".", "p")
   if d.corpus == "python_code":
@@ -192,7 +206,7 @@ def get_builder(data_config) -> _CorpusBuilder:
     name, cls, glob = f"{label}_{key}_{val}", TextFolder, d.glob
   else:
     raise ValueError(f"config.data.corpus: got {d.corpus!r}, allowed: 'python_code', "
-                     "'text_folder'")
+                     "'text_folder', " + ", ".join(map(repr, tasks.TASKS)))
   config = CorpusConfig(name=name, description=f"{len(files)} files, fingerprint "
                         f"{_fingerprint(files)}", root=root, glob=glob, val_percent=vp,
                         files=tuple(files))
@@ -206,14 +220,14 @@ def _built_description(builder) -> str | None:
   return json.loads(info_path.read_text()).get("configDescription")
 
 
-def prepare(data_config) -> _CorpusBuilder:
+def prepare(data_config) -> LocalBuilder:
   """The builder for `data.*`, with its dataset built (first use) or rebuilt (files changed)."""
   builder = get_builder(data_config)
   built = _built_description(builder)
   if built == builder.builder_config.description:
     return builder
   if built is not None:
-    _log.warning("%s: files changed since the build (%s, now %s); rebuilding",
+    _log.warning("%s: files or generator changed since the build (%s, now %s); rebuilding",
                     builder.data_path, built, builder.builder_config.description)
   mode = tfds.download.GenerateMode.REUSE_CACHE_IF_EXISTS  # overwrites a stale build
   print(f"building the {data_config.corpus} dataset ({builder.builder_config.description}) "
@@ -225,10 +239,11 @@ def prepare(data_config) -> _CorpusBuilder:
 
 def load_source(data_config, split: str):
   """A random-access source of {"text": bytes, "path": bytes} records; builds on first use."""
-  if split not in SPLITS:
-    raise ValueError(f"split: got {split!r}, allowed: {', '.join(map(repr, SPLITS))}")
+  allowed = splits_of(data_config)
+  if split not in allowed:
+    raise ValueError(f"split: got {split!r}, allowed: {', '.join(map(repr, allowed))}")
   builder = prepare(data_config)
-  if split not in builder.info.splits:
+  if split not in builder.info.splits:  # a file corpus (tasks have every split)
     raise ValueError(f"config.data.val_percent: the {split} split of {builder.info.full_name} is "
                      f"empty ({len(builder.builder_config.files)} files, val_percent "
                      f"{data_config.val_percent})")

@@ -4,13 +4,18 @@
   -> shuffle(data.shuffle_seed), repeat     train: a new order every epoch, from the seed
   -> tokenize                               eos after every document, bos optional
   -> pack                                   concatenate, then cut into data.seq_len rows
+                                            (data.whole_docs: a document that fits in a row
+                                            is never cut)
   -> window shuffle                         train only: rows of one long file spread over batches
   -> batch                                  {"tokens": int32[B, S], "segment_ids": int32[B, S]}
 
 Packing is concatenate-then-split: a document longer than a row continues in the next one, and
 every piece is its own segment (ids 1, 2, ... within a row, 0 for padding, whose tokens are
 pad_id). Nothing is dropped and only the last row of a finite pass has padding. `segment_ids` is
-what keeps attention and the loss inside a document: same id, same document.
+what keeps attention and the loss inside a document: same id, same document. With
+`data.whole_docs` a document that does not fit in the rest of a row starts the next one (the
+rest is padding), so short examples (the synthetic tasks) are never seen without their start;
+documents longer than a row are still cut.
 
 The iterator is grain's `DatasetIterator`: `get_state()` is a small JSON-able dict (grain's orbax
 handler stores it as JSON), and `set_state()` resumes on exactly the batch that was next.
@@ -91,10 +96,12 @@ class _PackIterator(grain.DatasetIterator):
   into it: JSON-native, and restoring re-reads one document.
   """
 
-  def __init__(self, parent: grain.DatasetIterator, seq_len: int, pad_id: int):
+  def __init__(self, parent: grain.DatasetIterator, seq_len: int, pad_id: int,
+               whole_docs: bool = False):
     super().__init__(parent)
     self._seq_len = seq_len
     self._pad_id = pad_id
+    self._whole_docs = whole_docs
     self._doc_state = self._parent.get_state()  # parent state before `_doc` was read
     self._doc: np.ndarray | None = None
     self._offset = 0
@@ -113,6 +120,8 @@ class _PackIterator(grain.DatasetIterator):
           break
         self._doc_state, self._doc, self._offset = state, doc, 0
       take = min(S - filled, len(self._doc) - self._offset)
+      if self._whole_docs and filled and not self._offset and take < len(self._doc):
+        break  # starts the next row: the state (this document, offset 0) says so
       if take:
         segment += 1
         tokens_S[filled:filled + take] = self._doc[self._offset:self._offset + take]
@@ -137,13 +146,15 @@ class _PackIterator(grain.DatasetIterator):
 class PackIterDataset(grain.IterDataset):
   """Packs a dataset of 1-D int32 token arrays into rows of `seq_len` (see `_PackIterator`)."""
 
-  def __init__(self, parent: grain.IterDataset, *, seq_len: int, pad_id: int):
+  def __init__(self, parent: grain.IterDataset, *, seq_len: int, pad_id: int,
+               whole_docs: bool = False):
     super().__init__(parent)
     self._seq_len = seq_len
     self._pad_id = pad_id
+    self._whole_docs = whole_docs
 
   def __iter__(self) -> _PackIterator:
-    return _PackIterator(self._parent.__iter__(), self._seq_len, self._pad_id)
+    return _PackIterator(self._parent.__iter__(), self._seq_len, self._pad_id, self._whole_docs)
 
 
 class _StackRows:
@@ -167,8 +178,9 @@ def make_dataset(config, split: str, *, batch_size: int | None = None,
                  repeat: bool | None = None, add_bos: bool = False) -> grain.IterDataset:
   """The grain dataset behind `make_iterator` (same arguments); iterate it for a fresh iterator."""
   data = config.data
-  if split not in builders.SPLITS:
-    raise ValueError(f"split: got {split!r}, allowed: {', '.join(map(repr, builders.SPLITS))}")
+  allowed = builders.splits_of(data)
+  if split not in allowed:
+    raise ValueError(f"split: got {split!r}, allowed: {', '.join(map(repr, allowed))}")
   if process_index is None or process_count is None:
     import jax  # pylint: disable=import-outside-toplevel
     process_index = jax.process_index() if process_index is None else process_index
@@ -201,7 +213,8 @@ def make_dataset(config, split: str, *, batch_size: int | None = None,
   docs = docs.map(_Tokenize(tokenizer, add_bos))
   # Arrays are local and tokenizing is cheap: reader threads would only fight over the GIL.
   ds = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  ds = PackIterDataset(ds, seq_len=data.seq_len, pad_id=tokenizer.pad_id)
+  ds = PackIterDataset(ds, seq_len=data.seq_len, pad_id=tokenizer.pad_id,
+                       whole_docs=data.whole_docs)
   if train:
     ds = grain.experimental.WindowShuffleIterDataset(
         ds, window_size=SHUFFLE_WINDOW_ROWS, seed=(data.shuffle_seed + 1) % 2**32)

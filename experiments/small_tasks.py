@@ -7,9 +7,10 @@ head blocks, so every n has the same parameter count at a size).
         --json experiments/results/small_tasks.json --png experiments/results/small_tasks.png
 
 Each run is `python -m mtp_jax.train --config configs/<task>.py --workdir
-ROOT/<task>/d<size>_n<N>_s<seed>` with the size, n_future, steps and seed as --config overrides
-(its console goes to train.log in the workdir). A run whose summary.json is at --steps is
-skipped, an unfinished one resumes. Each workdir is then scored by `mtp_jax.tasks_eval` on
+ROOT/<task>/d<size>_n<N>_s<seed>` with the size, n_future, steps and seed as --config overrides,
+run by mtp_jax.sweep (console in the workdir's train.log; --parallel P runs at once, each on 1/P
+of the CPU cores). A finished run is skipped, an unfinished one resumes, a failed one is
+reported and the others go on. Each workdir is then scored by `mtp_jax.tasks_eval` on
 single unpacked examples (cached in task_eval.json): induction accuracy at the recurring names,
 polynomial exact match in distribution (validation) and out of it (test_ood). Prints a markdown
 table; --json and --png write the records and one panel per task and split.
@@ -30,11 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
+
+from mtp_jax import scaling
+from mtp_jax import sweep as sweep_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (task, split, metric, panel title)
@@ -70,38 +73,12 @@ def task_overrides(items: list[str], task: str) -> dict:
   return out
 
 
-def _read_json(path: str):
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
-
-
-def _finished(workdir: str, steps: int) -> bool:
-  s = _read_json(os.path.join(workdir, "summary.json"))
-  return bool(s) and s["step"] >= steps and not s.get("interrupted")
-
-
-def train(task: str, workdir: str, overrides: dict) -> tuple[bool, float]:
-  """Runs `python -m mtp_jax.train`; (ok, seconds). The console goes to workdir/train.log."""
-  os.makedirs(workdir, exist_ok=True)
-  cmd = [sys.executable, "-m", "mtp_jax.train", "--config",
-         os.path.join(ROOT, "configs", f"{task}.py"), "--workdir", workdir]
-  cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
-  t = time.time()
-  with open(os.path.join(workdir, "train.log"), "a") as log:
-    log.write(" ".join(cmd) + "\n")
-    log.flush()
-    rc = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-  return rc == 0, time.time() - t
-
-
 def evaluate(workdir: str, limit: int | None) -> dict:
   """tasks_eval.evaluate_workdir, cached in workdir/task_eval.json for this step and limit."""
   from mtp_jax import tasks_eval  # pylint: disable=import-outside-toplevel
   path = os.path.join(workdir, "task_eval.json")
-  step = _read_json(os.path.join(workdir, "summary.json"))["step"]
-  cached = _read_json(path)
+  step = scaling.read_json(os.path.join(workdir, "summary.json"))["step"]
+  cached = scaling.read_json(path)
   if cached and cached["step"] == step and cached.get("limit") == limit:
     return cached
   result = dict(tasks_eval.evaluate_workdir(workdir, limit=limit), limit=limit)
@@ -110,48 +87,40 @@ def evaluate(workdir: str, limit: int | None) -> dict:
   return result
 
 
-def _fmt_time(s: float) -> str:
-  return f"{int(s // 60)}m{int(s % 60):02d}s"
+def task_sweep(task: str, args) -> sweep_lib.Sweep:
+  """One task's grid as a sweep: configs/<task>.py, runs named d<size>_n<N>_s<seed>."""
+  common = {"train.steps": args.steps, "train.eval_every": args.steps,
+            "train.checkpoint_every": args.steps, **task_overrides(args.override, task)}
+  runs = [sweep_lib.Run(f"d{size}_n{n}_s{seed}",
+                        {**size_overrides(size), "model.n_future": n, "seed": seed,
+                         "data.shuffle_seed": seed})
+          for size in args.sizes for n in args.n_future for seed in args.seeds]
+  return sweep_lib.Sweep(f"small_tasks:{task}", os.path.join(ROOT, "configs", f"{task}.py"),
+                         common, runs)
 
 
 def run_grid(args) -> list[dict]:
-  grid = [(task, size, n, seed) for task in args.tasks for size in args.sizes
-          for n in args.n_future for seed in args.seeds]
-  workdir = lambda task, size, n, seed: os.path.join(args.root, task, f"d{size}_n{n}_s{seed}")
-  pending = sum(not _finished(workdir(*g), args.steps) for g in grid)
-  print(f"{len(grid)} runs, {pending} to train, {args.steps} steps each", flush=True)
-  records, trained_s, n_trained, failed = [], 0.0, 0, []
-  t0 = time.time()
-  for k, (task, size, n, seed) in enumerate(grid, 1):
-    wd = workdir(task, size, n, seed)
-    label = f"[{k}/{len(grid)}] {task} size {size} n_future {n} seed {seed}"
-    if _finished(wd, args.steps):
-      print(f"{label}: trained already", flush=True)
-    else:
-      overrides = {**size_overrides(size), "model.n_future": n, "train.steps": args.steps,
-                   "train.eval_every": args.steps, "train.checkpoint_every": args.steps,
-                   "seed": seed, "data.shuffle_seed": seed,
-                   **task_overrides(args.override, task)}
-      ok, secs = train(task, wd, overrides)
-      trained_s, n_trained = trained_s + secs, n_trained + 1
-      eta = trained_s / n_trained * (pending - n_trained)
-      print(f"{label}: {'trained' if ok else 'FAILED'} in {secs:.0f}s (elapsed "
-            f"{_fmt_time(time.time() - t0)}, ETA {_fmt_time(eta)})", flush=True)
-      if not ok:
-        with open(os.path.join(wd, "train.log")) as f:
-          print("".join(f.readlines()[-5:]), end="", flush=True)
-        failed.append(wd)
+  """Trains each task's grid with mtp_jax.sweep (skip finished, resume, report failures,
+  --parallel runs at once), then scores every finished run."""
+  records = []
+  for task in args.tasks:
+    print(f"== {task}", flush=True)
+    sweep = task_sweep(task, args)
+    record = sweep_lib.run_sweep(sweep, os.path.join(args.root, task), parallel=args.parallel)
+    for run, r in zip(sweep.runs, record["runs"]):
+      if r["status"] not in ("done", "skipped"):
         continue
-    summary = _read_json(os.path.join(wd, "summary.json"))
-    ev = evaluate(wd, args.eval_limit)
-    rec = {"task": task, "size": size, "n_future": n, "seed": seed, "workdir": wd,
-           "n_params": summary["n_params"], "step": summary["step"],
-           "train_seconds": summary["wall_seconds"], "eval": ev}
-    records.append(rec)
-    print(f"{label}: " + ", ".join(f"{split} {m} {ev[split][m]:.3f}" for t, split, m, _ in PANELS
-                                   if t == task), flush=True)
-  if failed:
-    print(f"{len(failed)} run(s) failed: " + ", ".join(failed), flush=True)
+      size, n, seed = (run.name[1:].split("_n")[0], run.overrides["model.n_future"],
+                       run.overrides["seed"])
+      summary = scaling.read_json(os.path.join(r["workdir"], "summary.json"))
+      ev = evaluate(r["workdir"], args.eval_limit)
+      records.append({"task": task, "size": size, "n_future": n, "seed": seed,
+                      "workdir": r["workdir"], "n_params": summary["n_params"],
+                      "step": summary["step"], "train_seconds": summary["wall_seconds"],
+                      "eval": ev})
+      print(f"{task} size {size} n_future {n} seed {seed}: " + ", ".join(
+          f"{split} {m} {ev[split][m]:.3f}" for t, split, m, _ in PANELS if t == task),
+            flush=True)
   return records
 
 
@@ -224,6 +193,8 @@ def main(argv=None) -> int:
   ap.add_argument("--n_future", default="1,2,4")
   ap.add_argument("--steps", type=int, default=300)
   ap.add_argument("--seeds", default="0")
+  ap.add_argument("--parallel", type=int, default=1,
+                  help="runs at once; on a CPU each gets 1/P of the cores (mtp_jax.sweep)")
   ap.add_argument("--eval_limit", type=int, default=None, help="examples per split (all)")
   ap.add_argument("--override", action="append", default=[],
                   help="another --config override, [TASK:]FIELD=VALUE (e.g. data.dir=/tmp/ds)")
@@ -245,7 +216,8 @@ def main(argv=None) -> int:
   records = run_grid(args)
   print()
   print(table(records, args.sizes, args.n_future))
-  print(f"\n{len(records)} runs scored in {_fmt_time(time.time() - t0)}")
+  secs = time.time() - t0
+  print(f"\n{len(records)} runs scored in {int(secs // 60)}m{int(secs % 60):02d}s")
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

@@ -263,3 +263,32 @@ def test_head1_predictor_matches_greedy_decoding(make_model, make_config):
   greedy = decode.greedy(params, model.args, ids, max_new_tokens=1, eos_id=BYTE.eos_id,
                          pad_id=BYTE.pad_id)
   assert [pred_BxS[b, len(x) - 1] for b, x in enumerate(ids)] == greedy.tokens[:, 0].tolist()
+
+
+def test_small_tasks_script_end_to_end(data_dir, tmp_path):
+  """experiments/small_tasks.py on a 2-run grid of 3 steps: trains through mtp_jax.sweep, scores
+  every run, writes the table, JSON and PNG; a rerun trains nothing."""
+  import json
+  import os
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "out"
+  cmd = [sys.executable, os.path.join(repo, "experiments", "small_tasks.py"), "--root",
+         str(out), "--tasks", "induction", "--sizes", "32x2", "--n_future", "1,2", "--steps", "3",
+         "--parallel", "2", "--eval_limit", "8", "--json", str(out / "r.json"), "--png",
+         str(out / "r.png"), "--override", f"data.dir={data_dir}",
+         "--override", "data.task_train_size=300", "--override", "data.task_eval_size=60",
+         "--override", "data.induction_len=31", "--override", "data.induction_pairs=3",
+         "--override", "data.induction_repeats=2", "--override", "train.batch_size=4"]
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"))
+  p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+  assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+  assert "| induction | validation acc | 32x2 |" in p.stdout
+  runs = json.loads((out / "r.json").read_text())["runs"]
+  assert sorted(r["n_future"] for r in runs) == [1, 2]
+  assert len({r["n_params"] for r in runs}) == 1  # matched parameters across n
+  assert all(0.0 <= r["eval"]["validation"]["acc"] <= 1.0 for r in runs)
+  assert (out / "r.png").stat().st_size > 0
+  again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+  assert again.returncode == 0 and "2 skipped" in again.stdout, again.stdout[-2000:]

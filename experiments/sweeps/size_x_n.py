@@ -8,8 +8,9 @@
 Byte-level code (configs/default.py: the local stdlib corpus, seq 256, batch 16), parallel
 heads. n_layers counts the head blocks (3 extra for n = 4 come out of the trunk), so both n have
 the same parameters at a size. Every run sees the same tokens (STEPS * 16 * 256). Sized for
-about 30 minutes on 2 CPU cores with --parallel 2 (one core a run); the largest runs come first
-so the two slots finish together.
+about 30 minutes on 2 idle CPU cores with --parallel 2 (one core a run; step times measured
+alone); the run in experiments/results took 53 minutes with other jobs on the machine. The
+largest runs come first so the two slots finish together.
 """
 
 BASE_CONFIG = "configs/default.py"

@@ -101,26 +101,26 @@ def task_sweep(task: str, args) -> sweep_lib.Sweep:
 
 def run_grid(args) -> list[dict]:
   """Trains each task's grid with mtp_jax.sweep (skip finished, resume, report failures,
-  --parallel runs at once), then scores every finished run."""
-  records = []
+  --parallel runs at once), then scores every finished run: all training first, so this process
+  imports jax only after its last subprocess started."""
+  trained = []
   for task in args.tasks:
     print(f"== {task}", flush=True)
     sweep = task_sweep(task, args)
     record = sweep_lib.run_sweep(sweep, os.path.join(args.root, task), parallel=args.parallel)
-    for run, r in zip(sweep.runs, record["runs"]):
-      if r["status"] not in ("done", "skipped"):
-        continue
-      size, n, seed = (run.name[1:].split("_n")[0], run.overrides["model.n_future"],
-                       run.overrides["seed"])
-      summary = scaling.read_json(os.path.join(r["workdir"], "summary.json"))
-      ev = evaluate(r["workdir"], args.eval_limit)
-      records.append({"task": task, "size": size, "n_future": n, "seed": seed,
-                      "workdir": r["workdir"], "n_params": summary["n_params"],
-                      "step": summary["step"], "train_seconds": summary["wall_seconds"],
-                      "eval": ev})
-      print(f"{task} size {size} n_future {n} seed {seed}: " + ", ".join(
-          f"{split} {m} {ev[split][m]:.3f}" for t, split, m, _ in PANELS if t == task),
-            flush=True)
+    trained += [(task, run, r["workdir"]) for run, r in zip(sweep.runs, record["runs"])
+                if r["status"] in ("done", "skipped")]
+  records = []
+  for task, run, workdir in trained:
+    size, n, seed = (run.name[1:].split("_n")[0], run.overrides["model.n_future"],
+                     run.overrides["seed"])
+    summary = scaling.read_json(os.path.join(workdir, "summary.json"))
+    ev = evaluate(workdir, args.eval_limit)
+    records.append({"task": task, "size": size, "n_future": n, "seed": seed, "workdir": workdir,
+                    "n_params": summary["n_params"], "step": summary["step"],
+                    "train_seconds": summary["wall_seconds"], "eval": ev})
+    print(f"{task} size {size} n_future {n} seed {seed}: " + ", ".join(
+        f"{split} {m} {ev[split][m]:.3f}" for t, split, m, _ in PANELS if t == task), flush=True)
   return records
 
 

@@ -25,8 +25,12 @@ $(STAMP): setup.py | $(BIN)/python
 
 install: $(STAMP)
 
+# Two pytest workers, whole files each (module fixtures are built once): on 2 cores the suite's
+# single-threaded compiles run side by side. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 
 # Train the default model (byte-level code, 4 parallel heads) on the local stdlib corpus for a
 # few minutes, then decode code prompts greedily and with self-speculation and compare.

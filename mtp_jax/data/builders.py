@@ -184,6 +184,13 @@ def splits_of(data_config) -> tuple[str, ...]:
   return tasks.SPLITS.get(data_config.corpus, SPLITS)
 
 
+def check_split(data_config, split: str) -> None:
+  """Raises the one-line error for a split the corpus or task does not have."""
+  allowed = splits_of(data_config)
+  if split not in allowed:
+    raise ValueError(f"split: got {split!r}, allowed: {', '.join(map(repr, allowed))}")
+
+
 def get_builder(data_config) -> LocalBuilder:
   """The builder `data.corpus` names, configured from `data.*`; builds nothing."""
   from mtp_jax.data import tasks  # pylint: disable=import-outside-toplevel  (tasks imports us)
@@ -239,9 +246,7 @@ def prepare(data_config) -> LocalBuilder:
 
 def load_source(data_config, split: str):
   """A random-access source of {"text": bytes, "path": bytes} records; builds on first use."""
-  allowed = splits_of(data_config)
-  if split not in allowed:
-    raise ValueError(f"split: got {split!r}, allowed: {', '.join(map(repr, allowed))}")
+  check_split(data_config, split)
   builder = prepare(data_config)
   if split not in builder.info.splits:  # a file corpus (tasks have every split)
     raise ValueError(f"config.data.val_percent: the {split} split of {builder.info.full_name} is "

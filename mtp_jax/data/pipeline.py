@@ -178,9 +178,7 @@ def make_dataset(config, split: str, *, batch_size: int | None = None,
                  repeat: bool | None = None, add_bos: bool = False) -> grain.IterDataset:
   """The grain dataset behind `make_iterator` (same arguments); iterate it for a fresh iterator."""
   data = config.data
-  allowed = builders.splits_of(data)
-  if split not in allowed:
-    raise ValueError(f"split: got {split!r}, allowed: {', '.join(map(repr, allowed))}")
+  builders.check_split(data, split)
   if process_index is None or process_count is None:
     import jax  # pylint: disable=import-outside-toplevel
     process_index = jax.process_index() if process_index is None else process_index

@@ -165,6 +165,12 @@ def load_file(path: str) -> ml_collections.ConfigDict:
   return module.get_config()
 
 
+def save_json(config: ml_collections.ConfigDict, path: str) -> None:
+  """Writes the resolved config where `load_json` reads it (a workdir's config.json)."""
+  with open(path, "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+
 def load_json(path: str) -> ml_collections.ConfigDict:
   """A config saved by a training run (workdir/config.json), on top of today's defaults so that
   a workdir from before a field existed still loads."""

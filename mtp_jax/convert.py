@@ -296,7 +296,8 @@ def check_out(out: str) -> None:
 
 
 def write_workdir(out: str, config: ml_collections.ConfigDict, params) -> None:
-  """config.json (as run.py writes it), the tokenizer copied in, a params-only checkpoint."""
+  """config.json (as a training run writes it), the tokenizer copied in, a params-only
+  checkpoint."""
   check_out(out)
   os.makedirs(out, exist_ok=True)
   if config.data.tokenizer == "sentencepiece":
@@ -304,8 +305,7 @@ def write_workdir(out: str, config: ml_collections.ConfigDict, params) -> None:
     if os.path.abspath(config.data.spm_path) != dst:
       shutil.copyfile(config.data.spm_path, dst)
     config.data.spm_path = dst
-  with open(os.path.join(out, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  config_lib.save_json(config, os.path.join(out, "config.json"))
   with Checkpointer(checkpoint_dir(out), keep=1, async_save=False) as ckpt:
     ckpt.save(0, {"params": params})
     ckpt.wait()

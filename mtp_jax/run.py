@@ -94,8 +94,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   train_it = pipeline.make_iterator(config, "train")
   next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now, not at eval
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  config_lib.save_json(config, os.path.join(workdir, "config.json"))
 
   mesh = shard_lib.make_mesh(config)
   shard_lib.check_batch(config, mesh)

@@ -145,7 +145,7 @@ def table(records: list[dict], sizes: list[str], ns: list[int]) -> str:
       row = []
       for n in ns:
         v = cells.get((size, n))
-        row.append("" if not v else f"{np.mean(v):.3f}" + (f" ± {np.std(v):.3f}" if len(v) > 1
+        row.append("" if not v else f"{np.mean(v):.3f}" + (f" ± {np.std(v, ddof=1):.3f}" if len(v) > 1
                                                             else ""))
       if any(row):
         lines.append(f"| {task} | {split} {metric} | {size} | {params[(task, size)]:,} | "
@@ -164,7 +164,7 @@ def plot(records: list[dict], ns: list[int], path: str) -> None:
     cells = agg[(task, split, metric)]
     params = {r["size"]: r["n_params"] for r in records if r["task"] == task}
     for n in ns:
-      pts = sorted((params[size], np.mean(v), np.std(v)) for (size, m), v in cells.items()
+      pts = sorted((params[size], np.mean(v), np.std(v, ddof=1) if len(v) > 1 else 0.0) for (size, m), v in cells.items()
                    if m == n)
       if pts:
         x, y, e = map(np.asarray, zip(*pts))

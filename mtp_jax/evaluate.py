@@ -110,8 +110,9 @@ def greedy_comparison(loaded, gen: Generation, max_new_tokens: int) -> dict:
 class Progress:
   """One console line over problems: done/total, problems/s, ETA."""
 
-  def __init__(self, total: int, out=sys.stderr):
-    self.total, self.out, self.t0, self.done = total, out, time.monotonic(), 0
+  def __init__(self, total: int, out=None):
+    self.total, self.t0, self.done = total, time.monotonic(), 0
+    self.out = out or sys.stderr
     self.lock = threading.Lock()
 
   def step(self):
@@ -126,8 +127,9 @@ class Progress:
             f"ETA {int(eta) // 60}:{int(eta) % 60:02d}", end=end, file=self.out, flush=True)
 
 
-def run(opts: dict, out=sys.stdout) -> dict:
+def run(opts: dict, out=None) -> dict:
   """Everything after flag checks: load, generate, execute, score, write opts["out"]."""
+  out = out or sys.stdout
   from mtp_jax import generate as generate_lib  # pylint: disable=import-outside-toplevel
   t_start = time.monotonic()
   problems = code_tasks.load_problems(opts["task"], data_file=opts["data_file"],
@@ -158,7 +160,10 @@ def run(opts: dict, out=sys.stdout) -> dict:
   lock = threading.Lock()
 
   def finished(row, fut):
-    outcomes[row] = fut.result()
+    try:
+      outcomes[row] = fut.result()
+    except Exception as e:  # pylint: disable=broad-except  (the sandbox itself failed: say so)
+      outcomes[row] = sandbox.Outcome("error", f"{type(e).__name__}: {e}", 0.0, -1)
     with lock:
       left[row // S] -= 1
       last = left[row // S] == 0

@@ -37,6 +37,11 @@ def sampling_supported() -> bool:
   return "temperature" in inspect.signature(decode_lib.decode).parameters
 
 
+def model_args(loaded):
+  """The ModelArgs of a `generate.load_workdir` result (as `.args`, or its model's `.args`)."""
+  return loaded.args if hasattr(loaded, "args") else loaded.model.args
+
+
 @dataclasses.dataclass
 class Generation:
   tokens: list  # [rows] generated ids per row (EOS included when emitted), rows in input order
@@ -58,7 +63,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
   decoder compiles once per shape; rows never see each other). on_batch(rows, token_lists) is
   called after each batch with the row indices it decoded."""
   from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
-  args = loaded.model.args
+  args = model_args(loaded)
   tok = loaded.tokenizer
   k = args.n_future if mode == "speculative" else 1
   sample_kw = {}
@@ -81,7 +86,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
     for j, row in enumerate(idx):
       gen.tokens[row] = out[j]
     gen.seconds += r.seconds
-    gen.compile_seconds += r.compile_seconds
+    gen.compile_seconds += getattr(r, "compile_seconds", 0.0)
     gen.tokens_total += int(r.lengths[:n].sum())
     gen.cycles_total += int(r.cycles[:n].sum())
     if b == 0:
@@ -97,7 +102,7 @@ def greedy_comparison(loaded, gen: Generation, max_new_tokens: int) -> dict:
   from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
   batch, spec, n, k, sample_kw = gen.first_batch
   tok = loaded.tokenizer
-  g = decode_lib.decode(loaded.params, loaded.model.args, batch, max_new_tokens=max_new_tokens,
+  g = decode_lib.decode(loaded.params, model_args(loaded), batch, max_new_tokens=max_new_tokens,
                         k=1, eos_id=tok.eos_id, pad_id=tok.pad_id, **sample_kw)
   same = (np.array_equal(g.lengths[:n], spec.lengths[:n])
           and np.array_equal(g.tokens[:n], spec.tokens[:n]))
@@ -138,7 +143,7 @@ def run(opts: dict, out=None) -> dict:
   if opts["limit"]:
     problems = problems[:opts["limit"]]
   loaded = generate_lib.load_workdir(opts["workdir"])
-  args, tok = loaded.model.args, loaded.tokenizer
+  args, tok = model_args(loaded), loaded.tokenizer
   prompts = []
   for p in problems:
     try:
@@ -209,9 +214,9 @@ def report(opts, loaded, problems, completions, outcomes, decoding, seconds, out
       counts[s["status"]] = counts.get(s["status"], 0) + 1
   scores = code_tasks.mean_pass_at_k([S] * len(problems), [q["passed"] for q in per_problem],
                                      opts["k"])
-  args = loaded.model.args
+  args, step = model_args(loaded), getattr(loaded, "step", None)
   result = {
-      "config": dict(opts, step=loaded.step, n_future=args.n_future, head_kind=args.head_kind,
+      "config": dict(opts, step=step, n_future=args.n_future, head_kind=args.head_kind,
                      sandbox=sandbox.confinement()),
       "pass_at_k": scores, "outcomes": counts, "decoding": decoding, "seconds": seconds,
       "problems": per_problem}
@@ -221,7 +226,7 @@ def report(opts, loaded, problems, completions, outcomes, decoding, seconds, out
   os.replace(tmp, opts["out"])
   scores_line = "  ".join(f"{k} {v:.4f}" for k, v in scores.items())
   lines = [f"{opts['task']}: {len(problems)} problems x {S} samples, workdir {opts['workdir']} "
-           f"(step {loaded.step}, n_future {args.n_future})", scores_line,
+           f"(step {step}, n_future {args.n_future})", scores_line,
            "outcomes: " + "  ".join(f"{k} {v}" for k, v in sorted(counts.items())),
            f"decoding ({decoding['mode']}): {decoding['tokens']} tokens, "
            f"{decoding['tokens_per_s']:.1f} tokens/s (compile {decoding['compile_seconds']:.1f}s)"]

@@ -141,4 +141,5 @@ def test_cli_bad_flag_subprocess():
   p = subprocess.run([sys.executable, "-m", "mtp_jax.evaluate", "--workdir", "/x", "--task",
                       "nope"], env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT,
                      capture_output=True, text=True, timeout=120)
-  assert p.returncode == 2 and p.stderr.strip() == "error: --task: got 'nope', allowed: humaneval, mbpp"
+  assert p.returncode == 2
+  assert p.stderr.strip() == "error: --task: got 'nope', allowed: humaneval, mbpp"

@@ -129,7 +129,8 @@ def test_killed_by_a_signal_is_reported():
 
 
 def test_environment_and_stdin():
-  src = ("import os, sys\nassert set(os.environ) <= {'PATH', 'LANG', 'HOME', 'TMPDIR', 'LC_CTYPE'}, "
+  src = ("import os, sys\n"
+         "assert set(os.environ) <= {'PATH', 'LANG', 'HOME', 'TMPDIR', 'LC_CTYPE'}, "
          "sorted(os.environ)\nassert sys.stdin.read() == ''\nassert os.environ['HOME'] == "
          "os.getcwd()\n")
   o = sandbox.run_program(src, FAST)

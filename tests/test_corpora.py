@@ -149,15 +149,29 @@ def test_array_record_splits_and_processes_are_disjoint_and_complete(prepared, m
   assert sorted(seen["train"] + seen["validation"]) == sorted(docs)
 
 
-def test_train_state_restores_exactly_on_shards(prepared):
+def test_held_out_split_is_a_partition():
+  for n in range(0, 45):
+    for percent in (1, 5, 10, 33, 50):
+      val, train = (corpora.HeldOut(range(n), percent, v) for v in (True, False))
+      got_val, got_train = list(val), list(train)
+      assert got_val == list(range(0, n, round(100 / percent)))
+      assert sorted(got_val + got_train) == list(range(n))
+      with pytest.raises(IndexError):
+        train[len(train)]
+
+
+@pytest.mark.parametrize("process_index,process_count", [(0, 1), (1, 2)])
+def test_train_state_restores_exactly_on_shards(prepared, process_index, process_count):
+  """Per process, as each host of a pod restores its own state from the checkpoint."""
   out = prepared[0]
   c = _config(corpus="array_record", files=f"{out}/tokens-*.array_record")
-  it = pipeline.make_iterator(c, "train")
+  kw = dict(process_index=process_index, process_count=process_count)
+  it = pipeline.make_iterator(c, "train", **kw)
   for _ in range(3):
     next(it)
   state = json.loads(json.dumps(it.get_state()))
   expected = [next(it) for _ in range(4)]
-  again = pipeline.make_iterator(c, "train")
+  again = pipeline.make_iterator(c, "train", **kw)
   again.set_state(state)
   for want in expected:
     got = next(again)

@@ -299,9 +299,6 @@ def _validate_corpus(d: ml_collections.ConfigDict) -> None:
     if not d.tfds_name:
       _fail("data.tfds_name", "must name a prepared tfds dataset ('name/config:version') when "
             "data.corpus is 'tfds'")
-    if not isinstance(d.text_key, str) or not d.text_key.replace(".", "/").strip("/"):
-      _fail("data.text_key", f"must name the text feature ('text', 'a/b' nested), got "
-            f"{d.text_key!r}")
     for field in ("train_split", "val_split"):
       if not d[field]:
         _fail(f"data.{field}", "must be a tfds split string such as 'train' or 'train[:99%]'")

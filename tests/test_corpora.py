@@ -281,3 +281,14 @@ def test_prepare_bad_input_one_line_exit_2(root, jsonl, tmp_path):
                       f"--out={out}"], capture_output=True, text=True, timeout=120)
   assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: --source: ")
   assert not out.exists()
+
+
+@pytest.mark.parametrize("data,needle", [
+    (dict(corpus="tfds"), "config.data.tfds_name: must name"),
+    (dict(corpus="tfds", tfds_name="x", val_split=""), "config.data.val_split: must be"),
+    (dict(corpus="array_record"), "config.data.files: must be a glob"),
+    (dict(corpus="array_record", files="x", val_percent=0), "config.data.val_percent: must be"),
+])
+def test_config_fields_of_real_corpora(data, needle):
+  with pytest.raises(ValueError, match=f"^{needle}"):
+    _config(**data)

@@ -29,7 +29,7 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 HEAD_WEIGHTS = ("uniform", "geometric", "deepseek")
 SCHEDULES = ("cosine", "linear", "constant")
 TOKENIZERS = ("byte", "sentencepiece")
-CORPORA = ("python_code", "text_folder", "induction", "polynomial")
+CORPORA = ("python_code", "text_folder", "induction", "polynomial", "tfds", "array_record")
 TASK_CORPORA = ("induction", "polynomial")  # synthetic, mtp_jax/data/tasks.py
 POLY_OPS = "+-*o"  # polynomial task: add, negate, multiply, compose
 DTYPES = ("float32", "bfloat16")
@@ -100,6 +100,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.poly_ops = "+-*"  # operations drawn, from POLY_OPS; the paper adds "o"
   c.data.poly_train_ops = 5  # train and validation: 1..poly_train_ops operations
   c.data.poly_ood_ops = 8  # test_ood: poly_train_ops+1..poly_ood_ops
+  # Real corpora (data/corpora.py; README "Real corpora"). tfds: a dataset prepared as
+  # array_record (`tfds build NAME --file_format=array_record`), read without TensorFlow.
+  c.data.tfds_name = ""  # "name/config:version", e.g. "c4/en:3.0.1"
+  c.data.tfds_data_dir = ""  # "" = TFDS_DATA_DIR or ~/tensorflow_datasets
+  c.data.text_key = "text"  # the text feature; nested: "document/body" or "document.body"
+  c.data.train_split = "train"  # tfds split strings: "train[:99%]"
+  c.data.val_split = "validation"  # e.g. "train[99%:]" for a dataset without one
+  # array_record: token shards written by `python -m mtp_jax.data.prepare`.
+  c.data.files = ""  # glob of the shards, e.g. "~/corpora/code/tokens-*.array_record"
+  c.data.val_files = ""  # "" = hold out every round(100 / val_percent)-th record
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 3e-3
@@ -282,6 +292,25 @@ def _validate_task(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -
           f"example, {d.poly_ood_ops} operations), got {m.max_len}")
 
 
+def _validate_corpus(d: ml_collections.ConfigDict) -> None:
+  """The `data.*` fields of the real corpora (data/corpora.py); the datasets themselves are
+  checked when the pipeline opens them, still before anything is written."""
+  if d.corpus == "tfds":
+    if not d.tfds_name:
+      _fail("data.tfds_name", "must name a prepared tfds dataset ('name/config:version') when "
+            "data.corpus is 'tfds'")
+    for field in ("train_split", "val_split"):
+      if not d[field]:
+        _fail(f"data.{field}", "must be a tfds split string such as 'train' or 'train[:99%]'")
+  if d.corpus == "array_record":
+    if not d.files:
+      _fail("data.files", "must be a glob of shards written by `python -m mtp_jax.data.prepare` "
+            "when data.corpus is 'array_record'")
+    if not d.val_files and not 1 <= d.val_percent <= 50:
+      _fail("data.val_percent", "must be in [1, 50] (every round(100 / val_percent)-th record "
+            f"is held out for validation) when data.val_files is empty, got {d.val_percent}")
+
+
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks every field the code relies on; raises ValueError naming the field. Returns c."""
   m = c.model
@@ -314,6 +343,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _choice(c, "data.tokenizer", TOKENIZERS)
   if d.corpus in TASK_CORPORA:
     _validate_task(d, m)
+  _validate_corpus(d)
   if d.seq_len <= m.n_future:
     _fail("data.seq_len", f"must be > model.n_future ({m.n_future}) so every head has a "
           f"target, got {d.seq_len}")

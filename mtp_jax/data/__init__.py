@@ -1,4 +1,6 @@
-"""Data: tokenizers (bytes by default), tfds builders of local corpora, the grain pipeline.
+"""Data: tokenizers (bytes by default), tfds builders of local corpora, real corpora (any
+prepared tfds dataset, token shards written by `python -m mtp_jax.data.prepare`), the grain
+pipeline.
 
   from mtp_jax.data import make_iterator
   it = make_iterator(config, "train")   # {"tokens": int32[B, S], "segment_ids": int32[B, S]}
@@ -16,7 +18,8 @@ _EXPORTS = {
     "train_sentencepiece": "tokenizers",
     "load_source": "builders",
     "get_builder": "builders",
-    "prepare": "builders",
+    # `prepare` is the module behind `python -m mtp_jax.data.prepare` (builders.prepare builds a
+    # local corpus: call it by its module).
     "make_dataset": "pipeline",
     "make_iterator": "pipeline",
 }

@@ -5,7 +5,9 @@ Two corpora, chosen by `data.corpus`:
                 site-packages left out): a code corpus every machine already has.
   text_folder   the files under `data.folder` matching `data.glob` (recursive, hidden files and
                 folders skipped): the user's own text or code.
-The synthetic tasks (`induction`, `polynomial`) are built in tasks.py, through `get_builder`.
+The synthetic tasks (`induction`, `polynomial`) are built in tasks.py, through `get_builder`;
+`load_source` also opens the real corpora of corpora.py (`tfds`: a prepared tfds dataset, read
+as it is; `array_record` shards hold tokens, not text, and are opened by the pipeline).
 
 Each record is {"text": the file's UTF-8 text, "path": its path relative to the root}; files
 that are not valid UTF-8 are skipped. A file goes to validation when the SHA-1 of its relative
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -32,25 +33,17 @@ import re
 import sys
 import sysconfig
 
-from etils import epath
 import tensorflow_datasets as tfds
+
+from mtp_jax.data import corpora
+from mtp_jax.data import tasks
+from mtp_jax.data.local_builder import LocalBuilder
 
 _log = logging.getLogger(__name__)
 SPLITS = ("train", "validation")
 # Folders of the standard library that are not library code, or not the standard library.
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test",
                                "__pycache__"})
-
-
-class _DropCustomConfigWarning(logging.Filter):
-  """Every config here is custom, and tfds says so on each load (also in grain's workers)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Using custom data configuration")
-
-
-if not any(isinstance(f, _DropCustomConfigWarning) for f in logging.getLogger("absl").filters):
-  logging.getLogger("absl").addFilter(_DropCustomConfigWarning())
 
 
 def split_of(rel_path: str, val_percent) -> str:
@@ -103,22 +96,6 @@ class CorpusConfig(tfds.core.BuilderConfig):
   glob: str = ""
   val_percent: float = 5
   files: tuple = dataclasses.field(default=(), repr=False)  # (relative, absolute) pairs
-
-
-class LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """Base of the builders here and in tasks.py.
-
-  Not registered with tfds (builders are made by `get_builder`, not looked up by name), so
-  importing this module twice, or a tfds catalog dataset of the same name, cannot collide.
-  """
-
-  @tfds.core.utils.classproperty
-  @classmethod
-  def code_path(cls) -> epath.Path:
-    """The file that defines cls. tfds 4.9.10 finds it through `importlib_resources`, a package
-    it only declares for Python < 3.9, so building from any installed package fails without this
-    (tensorflow/datasets#11212); tfds itself falls back to the same answer."""
-    return epath.Path(inspect.getfile(cls))
 
 
 class _CorpusBuilder(LocalBuilder, skip_registration=True):
@@ -180,7 +157,6 @@ class TextFolder(_CorpusBuilder, skip_registration=True):
 
 def splits_of(data_config) -> tuple[str, ...]:
   """The splits of the corpus or task `data.corpus` names."""
-  from mtp_jax.data import tasks  # pylint: disable=import-outside-toplevel
   return tasks.SPLITS.get(data_config.corpus, SPLITS)
 
 
@@ -193,7 +169,6 @@ def check_split(data_config, split: str) -> None:
 
 def get_builder(data_config) -> LocalBuilder:
   """The builder `data.corpus` names, configured from `data.*`; builds nothing."""
-  from mtp_jax.data import tasks  # pylint: disable=import-outside-toplevel  (tasks imports us)
   d = data_config
   if d.corpus in tasks.TASKS:
     return tasks.get_builder(d)
@@ -212,8 +187,8 @@ def get_builder(data_config) -> LocalBuilder:
     label = re.sub(r"[^a-z0-9]+", "_", os.path.basename(root).lower()).strip("_")[:24] or "root"
     name, cls, glob = f"{label}_{key}_{val}", TextFolder, d.glob
   else:
-    raise ValueError(f"config.data.corpus: got {d.corpus!r}, allowed: 'python_code', "
-                     "'text_folder', " + ", ".join(map(repr, tasks.TASKS)))
+    raise ValueError(f"config.data.corpus: got {d.corpus!r}, a tfds builder is made for "
+                     "'python_code', 'text_folder', " + ", ".join(map(repr, tasks.TASKS)))
   config = CorpusConfig(name=name, description=f"{len(files)} files, fingerprint "
                         f"{_fingerprint(files)}", root=root, glob=glob, val_percent=vp,
                         files=tuple(files))
@@ -245,8 +220,14 @@ def prepare(data_config) -> LocalBuilder:
 
 
 def load_source(data_config, split: str):
-  """A random-access source of {"text": bytes, "path": bytes} records; builds on first use."""
+  """A random-access source of text records ({"text": bytes, "path": bytes} but for a tfds
+  corpus, whose text is at `text_key(data_config)`); builds a local corpus on first use."""
   check_split(data_config, split)
+  if data_config.corpus == "tfds":
+    return corpora.tfds_source(data_config, split)
+  if data_config.corpus == "array_record":
+    raise ValueError("config.data.corpus: 'array_record' shards hold token ids, not text; "
+                     "read them with pipeline.make_iterator")
   builder = prepare(data_config)
   if split not in builder.info.splits:  # a file corpus (tasks have every split)
     raise ValueError(f"config.data.val_percent: the {split} split of {builder.info.full_name} is "
@@ -255,7 +236,13 @@ def load_source(data_config, split: str):
   return builder.as_data_source(split=split)
 
 
-def record_text(record) -> str:
-  """A record's text as str (tfds without TensorFlow hands Text features back as bytes)."""
-  text = record["text"]
+def text_key(data_config) -> str:
+  """Where a record of the corpus holds its text: data.text_key for tfds, else "text"."""
+  return data_config.text_key if data_config.corpus == "tfds" else "text"
+
+
+def record_text(record, key: str = "text") -> str:
+  """A record's text at `key` ("a/b" for nested features) as str (tfds without TensorFlow hands
+  Text features back as bytes)."""
+  text = corpora.record_field(record, key)
   return text.decode("utf-8") if isinstance(text, bytes) else text

@@ -1,8 +1,10 @@
 """The grain input pipeline: documents -> tokens -> packed rows -> batches, checkpointable.
 
-  source[process_index::process_count]      this host's documents (ArrayRecord, random access)
+  source[process_index::process_count]      this host's documents (ArrayRecord, random access:
+                                            text records, or token records for array_record)
   -> shuffle(data.shuffle_seed), repeat     train: a new order every epoch, from the seed
-  -> tokenize                               eos after every document, bos optional
+  -> tokenize                               eos after every document, bos optional (token
+                                            records: decoded, eos and bos added the same way)
   -> pack                                   concatenate, then cut into data.seq_len rows
                                             (data.whole_docs: a document that fits in a row
                                             is never cut)
@@ -19,6 +21,11 @@ documents longer than a row are still cut.
 
 The iterator is grain's `DatasetIterator`: `get_state()` is a small JSON-able dict (grain's orbax
 handler stores it as JSON), and `set_state()` resumes on exactly the batch that was next.
+
+Multi-host: process p of P reads documents p, p + P, p + 2P, ... of the split (a deterministic
+split by index, any corpus) and shuffles its own part from the same seed; its iterator state is
+its own, and the checkpointer saves one per process (`data_iter/process_<p>-of-<P>.json`), so a
+resume on the same process count continues every host exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import grain
 import numpy as np
 
 from mtp_jax.data import builders
+from mtp_jax.data import corpora
 from mtp_jax.data import tokenizers
 
 # Rows shuffled together after packing, train split only. One stdlib file can fill hundreds of
@@ -74,16 +82,17 @@ class ShuffleEpochs(grain.MapDataset):
 class _Tokenize:
   """Record -> int32 ids of the whole document (a class: grain's worker processes pickle it)."""
 
-  def __init__(self, tokenizer, add_bos: bool):
+  def __init__(self, tokenizer, add_bos: bool, key: str = "text"):
     self.tokenizer = tokenizer
     self.add_bos = add_bos
+    self.key = key
 
   def __call__(self, record) -> np.ndarray:
     try:
-      return self.tokenizer.encode(builders.record_text(record), add_bos=self.add_bos,
+      return self.tokenizer.encode(builders.record_text(record, self.key), add_bos=self.add_bos,
                                    add_eos=True)
     except ValueError as e:
-      path = record["path"]
+      path = record["path"] if "path" in record else f"a record's {self.key}"
       raise ValueError(f"{path.decode() if isinstance(path, bytes) else path}: {e}") from None
 
 
@@ -197,7 +206,12 @@ def make_dataset(config, split: str, *, batch_size: int | None = None,
     raise ValueError(f"config.data.seq_len: must be >= 1, got {data.seq_len}")
 
   tokenizer = tokenizers.get_tokenizer(data)
-  source = builders.load_source(data, split)
+  if data.corpus == "array_record":
+    source, meta = corpora.token_source(data, split, tokenizer)
+    to_ids = corpora.DecodeTokens(meta["dtype"], tokenizer.bos_id, tokenizer.eos_id, add_bos)
+  else:
+    source = builders.load_source(data, split)
+    to_ids = _Tokenize(tokenizer, add_bos, builders.text_key(data))
   docs = grain.MapDataset.source(source)[process_index::process_count]
   if not len(docs):
     raise ValueError(f"config.data.corpus: the {split} split has {len(source)} documents, none "
@@ -208,7 +222,7 @@ def make_dataset(config, split: str, *, batch_size: int | None = None,
     docs = ShuffleEpochs(docs, seed=data.shuffle_seed, num_epochs=None if repeat else 1)
   elif repeat:
     docs = docs.repeat()
-  docs = docs.map(_Tokenize(tokenizer, add_bos))
+  docs = docs.map(to_ids)
   # Arrays are local and tokenizing is cheap: reader threads would only fight over the GIL.
   ds = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   ds = PackIterDataset(ds, seq_len=data.seq_len, pad_id=tokenizer.pad_id,

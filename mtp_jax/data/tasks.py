@@ -29,7 +29,7 @@ import string
 import numpy as np
 import tensorflow_datasets as tfds
 
-from mtp_jax.data import builders
+from mtp_jax.data.local_builder import LocalBuilder
 
 TASKS = ("induction", "polynomial")
 SPLITS = {"induction": ("train", "validation"),
@@ -215,7 +215,7 @@ class TaskConfig(tfds.core.BuilderConfig):
   params: dict = dataclasses.field(default_factory=dict)
 
 
-class _TaskBuilder(builders.LocalBuilder, skip_registration=True):
+class _TaskBuilder(LocalBuilder, skip_registration=True):
   """Writes a task's generated texts as {"text", "path"} records, in generation order."""
 
   VERSION = tfds.core.Version("1.0.0")

@@ -199,8 +199,9 @@ def train_sentencepiece(texts, out_path: str, vocab_size: int, *, model_type: st
 def _corpus_texts(data_config) -> Iterator[str]:
   from mtp_jax.data import builders  # pylint: disable=import-outside-toplevel
   source = builders.load_source(data_config, "train")
+  key = builders.text_key(data_config)
   for i in range(len(source)):
-    yield builders.record_text(source[i])
+    yield builders.record_text(source[i], key)
 
 
 def main(argv=None) -> None:

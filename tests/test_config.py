@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from mtp_jax import config as config_lib
+from mtp_jax import heads
 from mtp_jax.model import build_model, init_params, param_count
 
 
@@ -111,13 +112,15 @@ def test_custom_seq_fields_conflicting_with_preset_are_an_error(make_config):
   assert c.model.heads.seq_concat == "hidden_first"
 
 
-@pytest.mark.parametrize("preset", sorted(config_lib.SEQ_PRESETS))
+@pytest.mark.parametrize("preset", sorted(heads.SequentialHeads.presets))
 def test_seq_preset_sets_its_three_fields(make_config, preset):
   c = make_config("sequential", 3)
   c.model.heads.seq_preset = preset
   config_lib.validate(c)
   h = c.model.heads
-  assert (h.seq_concat, h.seq_trunk_state, h.seq_output_norm) == config_lib.SEQ_PRESETS[preset]
+  fields = heads.SequentialHeads.presets[preset]
+  assert sorted(fields) == ["seq_concat", "seq_output_norm", "seq_trunk_state"]
+  assert {f: h[f] for f in fields} == fields
 
 
 def test_empty_seq_preset_keeps_custom_fields(make_config):

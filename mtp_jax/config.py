@@ -1,4 +1,5 @@
-"""The base config (every field, defaulting to plain next-token prediction) and its validation.
+"""The base config (every field, defaulting to plain next-token prediction), its validation, and
+`ModelArgs`, the model's hashable hyper-parameters generated from `config.model`.
 
 Files in `configs/` import `base_config()` and change what they need; the train and generate
 entry points call `validate()` once, after command-line overrides, so a bad value is one clear
@@ -250,19 +251,21 @@ def _fail(field: str, msg: str):
   raise ValueError(f"config.{field}: {msg}")
 
 
-def _choice(c, field: str, allowed):
-  value = c
+def _get(c, field: str):
   for part in field.split("."):
-    value = getattr(value, part)
+    c = getattr(c, part)
+  return c
+
+
+def _choice(c, field: str, allowed):
+  value = _get(c, field)
   if value not in allowed:
     _fail(field, f"got {value!r}, allowed: {', '.join(map(repr, allowed))}")
 
 
 def _validate_floats(c: ml_collections.ConfigDict) -> None:
   for field, (words, in_range) in FLOAT_RANGES.items():
-    value = c
-    for part in field.split("."):
-      value = getattr(value, part)
+    value = _get(c, field)
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (number and math.isfinite(value) and in_range(value)):
       _fail(field, f"must be a finite number {words}, got {value!r}")

@@ -63,9 +63,10 @@ class HeadKind(nn.Module):
   """Base of every head kind. The module: (z_BxSxD, Shared, cache) -> (h_NxBxSxD, new cache).
 
   Class attributes a kind sets:
-    stacks: {name of a stacked param subtree under params["heads"]: the head its index 0
-      holds}. Index i of that stack is head first + i. Slicing to k heads, the decoder's head
-      count and the converter's head lookup all read this (`slice_params`, `head_params`).
+    stacks: {name of a stacked param subtree under params["heads"]: `first`, the head that
+      its index 0 holds}; index i holds head first + i. Slicing to the first k heads (the
+      decoder) and finding head j's params (a converter) read only this: `slice_params`,
+      `head_params`.
     choices: {field of config.model.heads that this kind reads: its allowed values}. Checked
       whichever kind is chosen, so a typo in a saved config fails at start-up.
     preset_field, presets: an optional field naming a preset, and {preset: {field: value}};

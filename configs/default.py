@@ -1,7 +1,7 @@
 """The built-in default: a byte-level code model with 4 parallel heads (Gloeckle et al. 2024).
 
-d_model 256, 6 blocks of which 4 are head blocks (3 trunk + head 1 + 3 extra heads, Meta's
-layout), seq_len 256: trainable on 2 CPU cores in minutes. Same parameter count as
+d_model 256, 6 blocks: 2 trunk blocks and 4 head blocks (head 1's + 3 extra heads', Meta's
+layout; every head is 3 blocks deep), seq_len 256: trainable on 2 CPU cores in minutes. Same parameter count as
 `ntp.py`, the n_future = 1 baseline.
 """
 

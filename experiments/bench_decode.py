@@ -5,7 +5,7 @@
 Prompts are windows of real code from the validation split (files the model never trained on).
 For every batch size and prompt length, greedy (head 1 only) and speculative decoding (heads
 1..k) generate the same number of tokens per row (EOS ignored, so the work is fixed), each
-compiled once beforehand and timed on a second call:
+compiled ahead of time (`decode.Decoder`, compile seconds recorded) and timed on a second call:
 
   a            mean tokens gained per verification forward, over rows and cycles
   T1           greedy seconds per forward (= per token of every row)
@@ -79,7 +79,7 @@ def forward_cost(loaded, k: int, batch: int, context: int, reps: int = 5) -> dic
     toks = jnp.zeros((batch, w), jnp.int32)
     pos = context + jnp.broadcast_to(jnp.arange(w), (batch, w))
     f = jax.jit(lambda p, c: model.apply({"params": p}, toks, positions_BxS=pos, cache=c,
-                                         chain=True))
+                                         decoding=True))
     jax.block_until_ready(f(p, cache))
     t = time.perf_counter()
     for _ in range(reps):
@@ -89,11 +89,13 @@ def forward_cost(loaded, k: int, batch: int, context: int, reps: int = 5) -> dic
 
 
 def run_case(loaded, prompts, k, max_new):
-  tok = loaded.tokenizer
-  kw = dict(max_new_tokens=max_new, eos_id=-1, pad_id=tok.pad_id)
-  for _ in range(2):  # the first call compiles; the second is timed
-    g = decode_lib.greedy(loaded.params, loaded.model.args, prompts, **kw)
-    s = decode_lib.decode(loaded.params, loaded.model.args, prompts, k=k, **kw)
+  shape = dict(batch=len(prompts), prompt_len=max(len(p) for p in prompts),
+               max_new_tokens=max_new)
+  greedy = decode_lib.Decoder(loaded.params, loaded.model.args, k=1, **shape)
+  spec = decode_lib.Decoder(loaded.params, loaded.model.args, k=k, **shape)
+  ids = dict(eos_id=-1, pad_id=loaded.tokenizer.pad_id)
+  for _ in range(2):  # compiled already; the first call warms up, the second is timed
+    g, s = greedy(prompts, **ids), spec(prompts, **ids)
   T1 = g.seconds / g.forwards
   Tc = s.seconds / s.forwards
   a = s.tokens_per_forward
@@ -113,6 +115,8 @@ def run_case(loaded, prompts, k, max_new):
       "greedy_forwards": g.forwards,
       "speculative_forwards": s.forwards,
       "tokens_per_row": max_new,
+      "greedy_compile_seconds": greedy.compile_seconds,
+      "speculative_compile_seconds": spec.compile_seconds,
   }
 
 

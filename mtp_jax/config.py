@@ -1,4 +1,5 @@
-"""The base config (every field, defaulting to plain next-token prediction) and its validation.
+"""The base config (every field, defaulting to plain next-token prediction), its validation, and
+`ModelArgs`, the model's hashable hyper-parameters generated from `config.model`.
 
 Files in `configs/` import `base_config()` and change what they need; the train and generate
 entry points call `validate()` once, after command-line overrides, so a bad value is one clear
@@ -7,24 +8,18 @@ entry points call `validate()` once, after command-line overrides, so a bad valu
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+from typing import Any
 
+import jax.numpy as jnp
 import ml_collections
 
-HEAD_KINDS = ("parallel", "projection", "sequential")
-SEQ_CONCAT = ("emb_first", "hidden_first")
-SEQ_TRUNK_STATE = ("post_norm", "pre_norm")
-SEQ_OUTPUT_NORM = ("per_module", "shared")
-# Where public implementations of DeepSeek-V3 MTP disagree (see heads.py).
-SEQ_PRESETS = {
-    # The released DeepSeek-V3 weights, Megatron, vLLM, SGLang: eh_proj([enorm(emb); hnorm(h)]),
-    # h taken after the main model's final norm, `shared_head.norm` per module.
-    "deepseek_v3": ("emb_first", "post_norm", "per_module"),
-    # The paper's eq. 21 ([h; emb]) as MiMo writes it.
-    "paper": ("hidden_first", "post_norm", "per_module"),
-    # MaxText: trunk state before the final norm, the main model's norm reused for every depth.
-    "maxtext": ("emb_first", "pre_norm", "shared"),
-}
+from mtp_jax import heads
+from mtp_jax.sharding import DISTRIBUTED_MODES
+
+HEAD_KINDS = tuple(heads.KINDS)  # the built-in kinds; validate() reads the live registry
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 HEAD_WEIGHTS = ("uniform", "geometric", "deepseek")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -33,7 +28,23 @@ CORPORA = ("python_code", "text_folder", "induction", "polynomial", "tfds", "arr
 TASK_CORPORA = ("induction", "polynomial")  # synthetic, mtp_jax/data/tasks.py
 POLY_OPS = "+-*o"  # polynomial task: add, negate, multiply, compose
 DTYPES = ("float32", "bfloat16")
-DISTRIBUTED_MODES = ("auto", "on", "off")
+# Every float field: (the allowed range in words, the test). validate() checks each value is a
+# finite number in range (nan fails no `<` test); tests/test_config.py fails for a float field
+# missing here.
+FLOAT_RANGES = {
+    "model.rope_theta": ("> 0", lambda x: x > 0),
+    "model.norm_eps": ("> 0", lambda x: x > 0),
+    "loss.geometric_decay": ("in (0, 1]", lambda x: 0 < x <= 1),
+    "loss.mtp_lambda": (">= 0", lambda x: x >= 0),
+    "loss.z_loss": (">= 0", lambda x: x >= 0),
+    "optim.lr": ("> 0", lambda x: x > 0),
+    "optim.min_lr_ratio": ("in [0, 1]", lambda x: 0 <= x <= 1),
+    "optim.b1": ("in [0, 1)", lambda x: 0 <= x < 1),
+    "optim.b2": ("in [0, 1)", lambda x: 0 <= x < 1),
+    "optim.eps": ("> 0", lambda x: x > 0),
+    "optim.weight_decay": (">= 0", lambda x: x >= 0),
+    "optim.grad_clip": (">= 0 (0: no clipping)", lambda x: x >= 0),
+}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -61,7 +72,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Parallel head blocks: "vmap" runs them side by side (fast on small models); "scan" runs one
   # at a time, so only one head's activations are alive (what large models need: plan_memory).
   c.model.heads.parallel_stack = "vmap"
-  c.model.heads.seq_preset = "deepseek_v3"  # sets the three fields below unless "" (custom)
+  # Sequential heads (heads.SequentialHeads.presets: who does which). The preset sets the three
+  # fields below unless "" (custom).
+  c.model.heads.seq_preset = "deepseek_v3"
   c.model.heads.seq_concat = "emb_first"
   c.model.heads.seq_trunk_state = "post_norm"
   c.model.heads.seq_output_norm = "per_module"
@@ -162,6 +175,39 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def _model_fields(m: ml_collections.ConfigDict) -> dict[str, Any]:
+  """config.model flat, as ModelArgs names it: model.heads.kind is head_kind, the other
+  model.heads fields keep their names (they carry their kind's prefix); lists become tuples."""
+  flat = {k: v for k, v in m.items() if k != "heads"}
+  flat.update({"head_kind" if k == "kind" else k: v for k, v in m.heads.items()})
+  if len(flat) != len(m) - 1 + len(m.heads):
+    raise RuntimeError("config.model: a model.heads field shadows a model field")
+  return {k: tuple(v) if isinstance(v, list) else v for k, v in flat.items()}
+
+
+def _model_args_from_config(cls, m: ml_collections.ConfigDict):
+  """The ModelArgs of a validated `config.model` (fields it does not know are ignored)."""
+  flat = _model_fields(m)
+  flat.update(dtype=jnp.dtype(m.dtype), n_trunk=heads.KINDS[m.heads.kind].n_trunk(m))
+  return cls(**{f.name: flat[f.name] for f in dataclasses.fields(cls)})
+
+
+# Hashable model hyper-parameters (a jit static argument), generated from base_config().model
+# so that a model field is declared and defaulted once, above.
+ModelArgs = dataclasses.make_dataclass(
+    "ModelArgs",
+    [(k, Any if k == "dtype" else type(v)) for k, v in _model_fields(base_config().model).items()]
+    + [("n_trunk", int)],
+    frozen=True,
+    namespace={
+        "__module__": __name__,
+        "__doc__": "Every field of config.model, flat (model.heads.kind as head_kind), dtype as "
+                   "a jnp dtype, and n_trunk: the trunk blocks its head kind leaves.",
+        "from_config": classmethod(_model_args_from_config),
+        "head_dim": property(lambda self: self.d_model // self.n_heads),
+    })
+
+
 def load_file(path: str) -> ml_collections.ConfigDict:
   """`get_config()` of a config file, loaded by path as config_flags does (configs/ is not a
   package: a variant file loads its base this way)."""
@@ -215,29 +261,33 @@ def _fail(field: str, msg: str):
   raise ValueError(f"config.{field}: {msg}")
 
 
-def _choice(c, field: str, allowed):
-  value = c
+def _get(c, field: str):
   for part in field.split("."):
-    value = getattr(value, part)
+    c = getattr(c, part)
+  return c
+
+
+def _choice(c, field: str, allowed):
+  value = _get(c, field)
   if value not in allowed:
     _fail(field, f"got {value!r}, allowed: {', '.join(map(repr, allowed))}")
 
 
-def apply_presets(c: ml_collections.ConfigDict) -> None:
-  """Expands `model.heads.seq_preset` into the three fields it names."""
-  preset = c.model.heads.seq_preset
-  if preset:
-    if preset not in SEQ_PRESETS:
-      _fail("model.heads.seq_preset", f"got {preset!r}, allowed: '' or "
-            + ", ".join(map(repr, SEQ_PRESETS)))
-    h, defaults = c.model.heads, base_config().model.heads
-    for field, value in zip(("seq_concat", "seq_trunk_state", "seq_output_norm"),
-                            SEQ_PRESETS[preset]):
-      if h[field] not in (value, defaults[field]):
-        _fail("model.heads.seq_preset", f"preset {preset!r} sets {field} = {value!r}, but "
-              f"{field} = {h[field]!r} was asked for; set seq_preset='' to choose the fields "
-              "one by one")
-      h[field] = value
+def _validate_floats(c: ml_collections.ConfigDict) -> None:
+  for field, (words, in_range) in FLOAT_RANGES.items():
+    value = _get(c, field)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and in_range(value)):
+      _fail(field, f"must be a finite number {words}, got {value!r}")
+
+
+def _validate_heads(c: ml_collections.ConfigDict) -> None:
+  """model.heads: a registered kind; every kind's own fields (whichever kind is chosen, so a
+  typo in a saved config fails); then the chosen kind's own checks."""
+  _choice(c, "model.heads.kind", tuple(heads.KINDS))
+  for kind in heads.KINDS.values():
+    kind.validate_fields(c.model.heads, base_config().model.heads, _fail)
+  heads.KINDS[c.model.heads.kind].validate_config(c.model, _fail)
 
 
 def poly_max_len(n_ops: int, degree: int) -> int:
@@ -314,12 +364,7 @@ def _validate_corpus(d: ml_collections.ConfigDict) -> None:
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks every field the code relies on; raises ValueError naming the field. Returns c."""
   m = c.model
-  apply_presets(c)
-  _choice(c, "model.heads.kind", HEAD_KINDS)
-  _choice(c, "model.heads.parallel_stack", ("vmap", "scan"))
-  _choice(c, "model.heads.seq_concat", SEQ_CONCAT)
-  _choice(c, "model.heads.seq_trunk_state", SEQ_TRUNK_STATE)
-  _choice(c, "model.heads.seq_output_norm", SEQ_OUTPUT_NORM)
+  _validate_floats(c)
   _choice(c, "model.remat_policy", REMAT_POLICIES)
   _choice(c, "model.dtype", DTYPES)
   for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len"):
@@ -327,9 +372,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       _fail(f"model.{field}", f"must be >= 1, got {getattr(m, field)}")
   if m.n_future < 1:
     _fail("model.n_future", f"must be >= 1, got {m.n_future}")
-  if m.heads.kind == "parallel" and m.n_future > m.n_layers:
-    _fail("model.n_future", f"parallel heads take their blocks from the trunk, so n_future "
-          f"must be <= model.n_layers ({m.n_layers}), got {m.n_future}")
+  _validate_heads(c)
   if m.d_model % m.n_heads:
     _fail("model.n_heads", f"must divide model.d_model ({m.d_model}), got {m.n_heads}")
   if (m.d_model // m.n_heads) % 2:
@@ -368,12 +411,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if len(weights) != m.n_future:
       _fail("loss.head_weights", f"a list needs one weight per head (model.n_future = "
             f"{m.n_future}), got {len(weights)}")
-    if any(w < 0 for w in weights):
-      _fail("loss.head_weights", "weights must be >= 0")
-  if not 0 < lo.geometric_decay <= 1:
-    _fail("loss.geometric_decay", f"must be in (0, 1], got {lo.geometric_decay}")
-  if lo.z_loss < 0:
-    _fail("loss.z_loss", f"must be >= 0, got {lo.z_loss}")
+    if not all(math.isfinite(w) and w >= 0 for w in weights):
+      _fail("loss.head_weights", f"weights must be finite numbers >= 0, got {weights}")
 
   t, o = c.train, c.optim
   _choice(c, "optim.schedule", SCHEDULES)
@@ -386,8 +425,6 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if t.batch_size % t.grad_accum:
     _fail("train.grad_accum", f"must divide train.batch_size ({t.batch_size}), got "
           f"{t.grad_accum}")
-  if o.lr <= 0:
-    _fail("optim.lr", f"must be > 0, got {o.lr}")
   if o.warmup_steps < 0:
     _fail("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
   if o.max_consecutive_nonfinite < 1:

@@ -40,7 +40,7 @@ from flax import traverse_util
 from mtp_jax import config as config_lib
 from mtp_jax.checkpoint import Checkpointer, checkpoint_dir
 from mtp_jax.data import tokenizers
-from mtp_jax.layers import ModelArgs
+from mtp_jax.config import ModelArgs
 from mtp_jax.model import build_model, init_params
 
 # (our path inside a Block, Meta name, HF Llama name, leading input axes of our kernel; 0: a

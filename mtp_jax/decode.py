@@ -9,8 +9,10 @@ past the new length hold rejected states; they are never read before being overw
 (rollback by length). `greedy` is the same loop with k = 1 and only head 1's parameters, so
 both are measured on the same machinery. Output equals head 1's greedy output token for token.
 
-The whole loop is one jit: lax.while_loop, static shapes, per-row lengths; rows that hit EOS or
-max_new_tokens stop (their slots are frozen) while the others go on.
+The whole loop is one jit: lax.while_loop over a `DecodeState`, static shapes, per-row lengths;
+rows that hit EOS or max_new_tokens stop (their slots are frozen) while the others go on. The
+rule of a cycle is `accept_greedy`, a pure function. `Decoder` compiles the loop ahead of time
+for one batch shape (jax.jit caches the program; nothing here keeps a cache of its own).
 
 Sequential (DeepSeek-V3) heads decode in chain mode: depth j reads depth j-1's argmax at the
 same position, so one forward yields k-1 chained drafts at the last accepted position; depth 1
@@ -23,12 +25,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import Any, NamedTuple
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.layers import ModelArgs
+from mtp_jax import heads
+from mtp_jax.config import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, logits
 
 
@@ -41,21 +46,7 @@ def check_heads(args: ModelArgs, k: int) -> None:
 def slice_heads(params, args: ModelArgs, k: int):
   """Params and args of the model restricted to heads 1..k (k <= n_future)."""
   check_heads(args, k)
-  heads = dict(params["heads"]) if "heads" in params else {}
-  take = lambda tree, n: jax.tree.map(lambda x: x[:n], tree)
-  if args.head_kind == "parallel":
-    heads["blocks"] = take(heads["blocks"], k)
-  else:
-    name = "mlps" if args.head_kind == "projection" else "depths"
-    if k == 1:
-      heads.pop(name, None)
-    else:
-      heads[name] = take(heads[name], k - 1)
-  params = dict(params)
-  if heads:
-    params["heads"] = heads
-  else:
-    params.pop("heads", None)
+  params = heads.slice_params(params, heads.KINDS[args.head_kind], k)
   return params, dataclasses.replace(args, n_future=k)
 
 
@@ -67,7 +58,7 @@ class DecodeResult:
   accepted_hist: np.ndarray  # [k] how often 0..k-1 drafts were accepted, over row-cycles
   forwards: int  # model calls: prefill + cycles
   seconds: float = 0.0  # wall time of the compiled decode (compilation excluded)
-  compile_seconds: float = 0.0
+  compile_seconds: float = 0.0  # of the `Decoder` that ran it (~0 when jax had it cached)
 
   @property
   def tokens_per_forward(self) -> float:
@@ -80,6 +71,50 @@ class DecodeResult:
     return np.asarray([h[j:].sum() / max(h.sum(), 1) for j in range(1, len(h))])
 
 
+class Accepted(NamedTuple):
+  drafts_B: jax.Array  # m: drafts accepted, 0..k-1 (before any EOS or budget cut)
+  new_B: jax.Array  # n: tokens the row gains, greedy[:, :n] (0 where the budget is 0)
+  last_B: jax.Array  # the row's newest token afterwards: greedy[n - 1], or `last` if n = 0
+  eos_B: jax.Array  # an EOS is among the n new tokens
+
+
+def accept_greedy(drafts_BxK1, greedy_BxK, last_B, eos_id, budget_B) -> Accepted:
+  """One cycle's greedy acceptance rule (Stern et al. 2018; Gloeckle et al. 2024 §3.2).
+
+  greedy_BxK[:, j] is head 1's argmax at window slot j, the greedy token after the window's
+  first j + 1 tokens; draft j + 1 (drafts_BxK1[:, j]) stands in slot j + 1, so it is accepted
+  while it equals greedy[:, j] and every draft before it was accepted. With m accepted, the row
+  gains greedy[:, :m + 1] (m drafts, all equal to greedy's own tokens, and head 1's next token),
+  cut after the first EOS and to the budget (tokens the row may still emit, 0 for a finished
+  row)."""
+  k = greedy_BxK.shape[1]
+  j_K = jnp.arange(k)
+  match_BxK1 = (drafts_BxK1 == greedy_BxK[:, :k - 1]).astype(jnp.int32)
+  m_B = jnp.sum(jnp.cumprod(match_BxK1, axis=1), axis=1)
+  eos_BxK = (greedy_BxK == eos_id) & (j_K <= m_B[:, None])
+  n_B = jnp.where(jnp.any(eos_BxK, axis=1), jnp.argmax(eos_BxK, axis=1) + 1, m_B + 1)
+  n_B = jnp.minimum(n_B, budget_B)
+  eos_B = jnp.any(eos_BxK & (j_K < n_B[:, None]), axis=1)
+  rows_B = jnp.arange(greedy_BxK.shape[0])
+  last_B = jnp.where(n_B > 0, greedy_BxK[rows_B, jnp.maximum(n_B - 1, 0)], last_B)
+  return Accepted(m_B, n_B, last_B, eos_B)
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """The while-loop carry. M = max_new_tokens + k slots, so a cycle never writes past the end."""
+  cache: Any
+  out_BxM: jax.Array  # generated tokens, pad after n_out
+  n_out_B: jax.Array
+  pos_B: jax.Array  # position of `last`, the newest token, not yet fed
+  last_B: jax.Array
+  drafts_BxK1: jax.Array  # heads 2..k's proposals for the positions after `last`
+  done_B: jax.Array
+  cycles_B: jax.Array  # cycles each row took part in
+  hist_K: jax.Array  # how often 0..k-1 drafts were accepted, over row-cycles
+  forwards: jax.Array  # prefill + cycles
+
+
 @functools.partial(jax.jit, static_argnames=("args", "max_new_tokens"))
 def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, *, args: ModelArgs,
             max_new_tokens: int):
@@ -89,7 +124,7 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, *, args: ModelArgs
   rows_B = jnp.arange(B)
   cache = init_decode_cache(args, B, P + max_new_tokens + k, dtype=args.dtype)
   apply = lambda toks, pos, c: model.apply({"params": params}, toks, positions_BxS=pos,
-                                           cache=c, chain=True)
+                                           cache=c, decoding=True)
 
   # Prefill: the padded prompt at positions 0..P-1; each row reads its heads at len - 1.
   # Slots past a row's length hold pad states that the causal mask never shows it.
@@ -98,46 +133,85 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, *, args: ModelArgs
   tok_kxB = jnp.argmax(logits(params, args, h_kxBxD[:, :, None])[:, :, 0], axis=-1)
   first_B = tok_kxB[0].astype(jnp.int32)
   M = max_new_tokens + k
-  state = dict(
+  state = DecodeState(
       cache=cache,
-      out=jnp.full((B, M), pad_id, jnp.int32).at[:, 0].set(first_B),
-      n_out=jnp.ones((B,), jnp.int32),
-      pos=prompt_len_B.astype(jnp.int32),  # position of `last`, the newest token, not yet fed
-      last=first_B,
-      drafts=tok_kxB[1:].T.astype(jnp.int32),  # [B, k-1]
-      done=(first_B == eos_id) | (max_new_tokens <= 1),
-      cycles=jnp.zeros((B,), jnp.int32),
-      hist=jnp.zeros((k,), jnp.int32),
+      out_BxM=jnp.full((B, M), pad_id, jnp.int32).at[:, 0].set(first_B),
+      n_out_B=jnp.ones((B,), jnp.int32),
+      pos_B=prompt_len_B.astype(jnp.int32),
+      last_B=first_B,
+      drafts_BxK1=tok_kxB[1:].T.astype(jnp.int32),
+      done_B=(first_B == eos_id) | (max_new_tokens <= 1),
+      cycles_B=jnp.zeros((B,), jnp.int32),
+      hist_K=jnp.zeros((k,), jnp.int32),
       forwards=jnp.ones((), jnp.int32),
   )
   j_K = jnp.arange(k)
 
-  def cycle(s):
-    window_BxK = jnp.concatenate([s["last"][:, None], s["drafts"]], axis=1)
-    h_kxBxKxD, cache = apply(window_BxK, s["pos"][:, None] + j_K, s["cache"])
+  def cycle(s: DecodeState) -> DecodeState:
+    window_BxK = jnp.concatenate([s.last_B[:, None], s.drafts_BxK1], axis=1)
+    h_kxBxKxD, cache = apply(window_BxK, s.pos_B[:, None] + j_K, s.cache)
     pred_kxBxK = jnp.argmax(logits(params, args, h_kxBxKxD), axis=-1).astype(jnp.int32)
-    g_BxK = pred_kxBxK[0]
-    match = (s["drafts"] == g_BxK[:, :k - 1]).astype(jnp.int32)
-    m_B = jnp.sum(jnp.cumprod(match, axis=1), axis=1)
-    n_B = m_B + 1
-    eos_BxK = (g_BxK == eos_id) & (j_K < n_B[:, None])
-    hit_eos_B = jnp.any(eos_BxK, axis=1)
-    n_B = jnp.where(hit_eos_B, jnp.argmax(eos_BxK, axis=1) + 1, n_B)
-    active_B = ~s["done"]
-    n_B = jnp.where(active_B, jnp.minimum(n_B, max_new_tokens - s["n_out"]), 0)
-    idx_BxK = jnp.where(j_K < n_B[:, None], s["n_out"][:, None] + j_K, M)
-    out = s["out"].at[rows_B[:, None], idx_BxK].set(g_BxK, mode="drop")
-    n_out = s["n_out"] + n_B
-    last = jnp.where(active_B, g_BxK[rows_B, jnp.maximum(n_B - 1, 0)], s["last"])
-    drafts = jnp.where(active_B[:, None], pred_kxBxK[1:, rows_B, m_B].T, s["drafts"])
-    hist = s["hist"] + jnp.sum(jax.nn.one_hot(m_B, k, dtype=jnp.int32) * active_B[:, None], 0)
-    return dict(
-        cache=cache, out=out, n_out=n_out, pos=s["pos"] + n_B, last=last, drafts=drafts,
-        done=s["done"] | (active_B & (hit_eos_B | (n_out >= max_new_tokens))),
-        cycles=s["cycles"] + active_B, hist=hist, forwards=s["forwards"] + 1)
+    active_B = ~s.done_B
+    budget_B = jnp.where(active_B, max_new_tokens - s.n_out_B, 0)
+    acc = accept_greedy(s.drafts_BxK1, pred_kxBxK[0], s.last_B, eos_id, budget_B)
+    idx_BxK = jnp.where(j_K < acc.new_B[:, None], s.n_out_B[:, None] + j_K, M)
+    n_out_B = s.n_out_B + acc.new_B
+    # Heads 2..k at the last accepted slot propose the next drafts.
+    drafts = jnp.where(active_B[:, None], pred_kxBxK[1:, rows_B, acc.drafts_B].T, s.drafts_BxK1)
+    return DecodeState(
+        cache=cache,
+        out_BxM=s.out_BxM.at[rows_B[:, None], idx_BxK].set(pred_kxBxK[0], mode="drop"),
+        n_out_B=n_out_B, pos_B=s.pos_B + acc.new_B, last_B=acc.last_B, drafts_BxK1=drafts,
+        done_B=s.done_B | (active_B & (acc.eos_B | (n_out_B >= max_new_tokens))),
+        cycles_B=s.cycles_B + active_B,
+        hist_K=s.hist_K + jnp.sum(jax.nn.one_hot(acc.drafts_B, k, dtype=jnp.int32)
+                                  * active_B[:, None], 0),
+        forwards=s.forwards + 1)
 
-  s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), cycle, state)
-  return s["out"][:, :max_new_tokens], s["n_out"], s["cycles"], s["hist"], s["forwards"]
+  s = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), cycle, state)
+  return s.out_BxM[:, :max_new_tokens], s.n_out_B, s.cycles_B, s.hist_K, s.forwards
+
+
+class Decoder:
+  """Decoding with heads 1..k (k = 1: greedy) of `batch` prompts padded to `prompt_len`, for
+  `max_new_tokens`, compiled ahead of time in the constructor (`compile_seconds`), so that
+  calls time the decode alone. Prompts are validated here, at the entry point."""
+
+  def __init__(self, params, args: ModelArgs, *, k: int, batch: int, prompt_len: int,
+               max_new_tokens: int):
+    check_heads(args, k)
+    if max_new_tokens < 1:
+      raise ValueError(f"--max_new_tokens: must be >= 1, got {max_new_tokens}")
+    if prompt_len + max_new_tokens > args.max_len:
+      raise ValueError(f"--max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens "
+                       f"({max_new_tokens}) exceeds the model's max_len ({args.max_len})")
+    self.params, self.args = slice_heads(params, args, k)
+    self.batch, self.prompt_len, self.max_new_tokens = batch, prompt_len, max_new_tokens
+    t0 = time.perf_counter()
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    self._compiled = _decode.lower(
+        self.params, i32(batch, prompt_len), i32(batch), i32(), i32(), args=self.args,
+        max_new_tokens=max_new_tokens).compile()
+    self.compile_seconds = time.perf_counter() - t0
+
+  def __call__(self, prompts: list, *, eos_id: int, pad_id: int) -> DecodeResult:
+    """Decodes token-id prompts (ragged lists; `batch` of them, none longer than prompt_len)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+      raise ValueError("prompt: every prompt needs at least one token")
+    if len(prompts) != self.batch or max(len(p) for p in prompts) > self.prompt_len:
+      raise ValueError(f"prompt: this Decoder takes {self.batch} prompts of at most "
+                       f"{self.prompt_len} tokens")
+    prompt_BxP = np.full((self.batch, self.prompt_len), pad_id, np.int32)
+    for b, p in enumerate(prompts):
+      prompt_BxP[b, :len(p)] = p
+    lens_B = np.asarray([len(p) for p in prompts], np.int32)
+    t0 = time.perf_counter()
+    tokens, n_out, cycles, hist, forwards = jax.device_get(self._compiled(
+        self.params, prompt_BxP, lens_B, np.int32(eos_id), np.int32(pad_id)))
+    return DecodeResult(tokens=np.asarray(tokens), lengths=np.asarray(n_out),
+                        cycles=np.asarray(cycles), accepted_hist=np.asarray(hist),
+                        forwards=int(forwards), seconds=time.perf_counter() - t0,
+                        compile_seconds=self.compile_seconds)
 
 
 def decode(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k: int,
@@ -145,34 +219,9 @@ def decode(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k: in
   """Decodes a batch of token-id prompts (ragged lists) with heads 1..k; k = 1 is greedy."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("prompt: every prompt needs at least one token")
-  if max_new_tokens < 1:
-    raise ValueError(f"--max_new_tokens: must be >= 1, got {max_new_tokens}")
-  longest = max(len(p) for p in prompts)
-  if longest + max_new_tokens > args.max_len:
-    raise ValueError(f"--max_new_tokens: prompt ({longest} tokens) + max_new_tokens "
-                     f"({max_new_tokens}) exceeds the model's max_len ({args.max_len})")
-  params_k, args_k = slice_heads(params, args, k)
-  prompt_BxP = np.full((len(prompts), longest), pad_id, np.int32)
-  for b, p in enumerate(prompts):
-    prompt_BxP[b, :len(p)] = p
-  lens_B = np.asarray([len(p) for p in prompts], np.int32)
-  ids = (np.int32(eos_id), np.int32(pad_id))
-  shardings = tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(params_k))
-  key = (args_k, prompt_BxP.shape, max_new_tokens, shardings)
-  t0 = time.perf_counter()
-  if key not in _COMPILED:
-    _COMPILED[key] = _decode.lower(params_k, prompt_BxP, lens_B, *ids, args=args_k,
-                                   max_new_tokens=max_new_tokens).compile()
-  t1 = time.perf_counter()
-  tokens, n_out, cycles, hist, forwards = jax.device_get(
-      _COMPILED[key](params_k, prompt_BxP, lens_B, *ids))
-  t2 = time.perf_counter()
-  return DecodeResult(tokens=np.asarray(tokens), lengths=np.asarray(n_out),
-                      cycles=np.asarray(cycles), accepted_hist=np.asarray(hist),
-                      forwards=int(forwards), seconds=t2 - t1, compile_seconds=t1 - t0)
-
-
-_COMPILED: dict = {}  # (args, shapes, ...) -> compiled decode; params are arguments, not keys
+  decoder = Decoder(params, args, k=k, batch=len(prompts),
+                    prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens)
+  return decoder(prompts, eos_id=eos_id, pad_id=pad_id)
 
 
 def greedy(params, args: ModelArgs, prompts: list, **kw) -> DecodeResult:

@@ -4,6 +4,11 @@ Every kind maps the trunk state z_BxSxD to h_NxBxSxD, N = n_future: head i (1-ba
 position t predicts x_{t+i}, normalised and ready for the shared unembedding. Head 1 alone is a
 next-token model. Heads never produce logits for training: the loss unembeds one head at a time.
 
+A kind is one `HeadKind` subclass under `@register(name)`: its flax `__call__`, and the class
+attributes and methods through which the rest of the code sees it (trunk blocks it leaves, KV
+cache blocks when decoding, which stacked params hold which head, its own config fields). Nothing
+outside this module names a kind.
+
 Transformed modules (nn.vmap / nn.scan) only touch their own parameters; shared arrays (the
 final norm scale, the embedding table) come in as plain arguments, so lifting stays simple.
 """
@@ -11,22 +16,33 @@ final norm scale, the embedding table) come in as plain arguments, so lifting st
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.layers import Block, ModelArgs, RMSNorm, dense_init, remat, rms_norm
+from mtp_jax.layers import Block, RMSNorm, dense_init, remat, rms_norm
 
-HEADS: dict[str, type[nn.Module]] = {}
+if TYPE_CHECKING:  # config imports this module (config.validate asks the kinds)
+  from mtp_jax.config import ModelArgs
+
+KINDS: dict[str, type["HeadKind"]] = {}
 
 
 def register(name: str) -> Callable:
+  """Class decorator: makes a `HeadKind` subclass `config.model.heads.kind = name`."""
   def wrap(cls):
-    HEADS[name] = cls
+    if name in KINDS:
+      raise ValueError(f"head kind {name!r} is already registered")
+    cls.kind = name
+    KINDS[name] = cls
     return cls
   return wrap
+
+
+def unregister(name: str) -> None:
+  del KINDS[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,25 +54,120 @@ class Shared:
   norm_D: jax.Array  # the shared final RMSNorm scale
   embed_VxD: jax.Array
   unembed_DxV: jax.Array
+  # Decoding, not teacher forcing: the next tokens are unknown, so a kind that reads them
+  # (sequential depths) reads its own drafts instead.
+  decoding: bool = False
 
 
-def head_cache_blocks(args: ModelArgs) -> int:
-  """Number of attention blocks in the heads that need their own KV cache when decoding."""
-  return {"parallel": args.n_future, "projection": 0,
-          "sequential": args.n_future - 1}[args.head_kind]
+class HeadKind(nn.Module):
+  """Base of every head kind. The module: (z_BxSxD, Shared, cache) -> (h_NxBxSxD, new cache).
+
+  Class attributes a kind sets:
+    stacks: {name of a stacked param subtree under params["heads"]: `first`, the head that
+      its index 0 holds}; index i holds head first + i. Slicing to the first k heads (the
+      decoder) and finding head j's params (a converter) read only this: `slice_params`,
+      `head_params`.
+    choices: {field of config.model.heads that this kind reads: its allowed values}. Checked
+      whichever kind is chosen, so a typo in a saved config fails at start-up.
+    preset_field, presets: an optional field naming a preset, and {preset: {field: value}};
+      `config.validate` expands it (a field set by hand must agree with the preset or be at
+      its default).
+  """
+  args: ModelArgs
+
+  # Class attributes, not dataclass fields (no annotations): flax would make them fields.
+  kind = ""  # set by `register`
+  stacks = {}
+  choices = {}
+  preset_field = ""
+  presets = {}
+
+  @classmethod
+  def n_trunk(cls, m) -> int:
+    """Trunk blocks of a model with config.model `m` (by default all n_layers)."""
+    return m.n_layers
+
+  @classmethod
+  def cache_blocks(cls, args: ModelArgs) -> int:
+    """Attention blocks in the heads that need their own KV cache when decoding."""
+    del args
+    return 0
+
+  @classmethod
+  def validate_fields(cls, h, defaults, fail: Callable[[str, str], None]) -> None:
+    """Expands the preset into config.model.heads `h` (a field not at its default must agree
+    with it), then checks `choices`. `fail(field, message)` raises."""
+    preset = h[cls.preset_field] if cls.preset_field else ""
+    if preset and preset not in cls.presets:
+      fail(f"model.heads.{cls.preset_field}", f"got {preset!r}, allowed: '' or "
+           + ", ".join(map(repr, cls.presets)))
+    for field, value in cls.presets.get(preset, {}).items():
+      if h[field] not in (value, defaults[field]):
+        fail(f"model.heads.{cls.preset_field}", f"preset {preset!r} sets {field} = {value!r}, "
+             f"but {field} = {h[field]!r} was asked for; set {cls.preset_field}='' to choose "
+             "the fields one by one")
+      h[field] = value
+    for field, allowed in cls.choices.items():
+      if h[field] not in allowed:
+        fail(f"model.heads.{field}", f"got {h[field]!r}, allowed: "
+             + ", ".join(map(repr, allowed)))
+
+  @classmethod
+  def validate_config(cls, m, fail: Callable[[str, str], None]) -> None:
+    """Checks on config.model `m` that hold when this kind is chosen."""
+
+  @classmethod
+  def head_params(cls, j: int) -> list[tuple[tuple[str, ...], int]]:
+    """Where head j's own params sit: (path in the param tree, index on the stacked axis) for
+    every stack holding it; [] for a head with no params of its own (the trunk's head 1)."""
+    return [(("heads", name), j - first) for name, first in cls.stacks.items() if j >= first]
+
+
+def slice_params(params, kind: type[HeadKind], k: int):
+  """The param tree restricted to heads 1..k: each stack cut to the heads <= k it holds."""
+  heads = dict(params.get("heads", {}))
+  for name, first in kind.stacks.items():
+    n = k - first + 1
+    if name not in heads:
+      continue
+    if n <= 0:
+      del heads[name]
+    else:
+      heads[name] = jax.tree.map(lambda x, n=n: x[:n], heads[name])
+  params = dict(params)
+  if heads:
+    params["heads"] = heads
+  else:
+    params.pop("heads", None)
+  return params
 
 
 @register("parallel")
-class ParallelHeads(nn.Module):
+class ParallelHeads(HeadKind):
   """Gloeckle et al. 2024 §2 and Meta's released layout: n_future transformer blocks (head 1 is
   the last block of an n_layers-deep next-token model) with stacked params, applied by nn.vmap
   to the same trunk state (before the final norm), then one shared final norm. Each head block
   keeps its own KV cache when decoding."""
-  args: ModelArgs
+  stacks = {"blocks": 1}
+  # "vmap" runs the head blocks side by side; "scan" one at a time (same params).
+  choices = {"parallel_stack": ("vmap", "scan")}
+
+  @classmethod
+  def n_trunk(cls, m) -> int:
+    return m.n_layers - m.n_future  # matched parameters: the heads take the last blocks
+
+  @classmethod
+  def cache_blocks(cls, args: ModelArgs) -> int:
+    return args.n_future
+
+  @classmethod
+  def validate_config(cls, m, fail) -> None:
+    if m.n_future > m.n_layers:
+      fail("model.n_future", f"parallel heads take their blocks from the trunk, so n_future "
+           f"must be <= model.n_layers ({m.n_layers}), got {m.n_future}")
 
   @nn.compact
-  def __call__(self, z_BxSxD, s: Shared, cache=None, chain: bool = False):
-    del chain
+  def __call__(self, z_BxSxD, s: Shared, cache=None):
     a = self.args
     lifted = dict(variable_axes={"params": 0}, split_rngs={"params": True},
                   metadata_params={nn.PARTITION_NAME: "mtp_heads"})
@@ -93,14 +204,13 @@ class ResidualMLP(nn.Module):
 
 
 @register("projection")
-class ProjectionHeads(nn.Module):
+class ProjectionHeads(HeadKind):
   """Head 1 is the trunk itself; heads 2..n are residual MLPs (vmapped, stacked params) on the
   trunk state; all heads share the final norm and the unembedding. No attention, no cache."""
-  args: ModelArgs
+  stacks = {"mlps": 2}
 
   @nn.compact
-  def __call__(self, z_BxSxD, s: Shared, cache=None, chain: bool = False):
-    del chain
+  def __call__(self, z_BxSxD, s: Shared, cache=None):
     a = self.args
     h_NxBxSxD = z_BxSxD[None]
     if a.n_future > 1:
@@ -115,20 +225,20 @@ class Depth(nn.Module):
   """One DeepSeek-V3 MTP module (arXiv 2412.19437 eq. 21-23), scanned over depths k = 1..n-1:
   h'_k = eh_proj([enorm(Emb(x_{t+k})); hnorm(h_{k-1})]), h_k = Block(h'_k), and
   P_{k+1} = unembed(out_norm(h_k)). The concatenation order, the output norm (own
-  `shared_head_norm` or the main one) are config fields; see config.SEQ_PRESETS for who does
-  which.
+  `shared_head_norm` or the main one) are config fields; see SequentialHeads.presets for who
+  does which.
 
   Teacher forcing (training): the depth's token embeddings come in as the scanned input.
-  Chain (decoding): depth k reads the argmax of depth k-1 at the same position, so one forward
-  drafts n-1 tokens at the last accepted position (depth 1 reads head 1's own token, exact)."""
+  Decoding (`Shared.decoding`): depth k reads the argmax of depth k-1 at the same position, so
+  one forward drafts n-1 tokens at the last accepted position (depth 1 reads head 1's own
+  token, exact)."""
   args: ModelArgs
-  chain: bool = False
 
   @nn.compact
   def __call__(self, carry, emb_BxSxD, cache, s: Shared):
     a = self.args
     h_prev_BxSxD, tok_BxS = carry
-    if self.chain:
+    if s.decoding:
       emb_BxSxD = jnp.take(s.embed_VxD, tok_BxS, axis=0).astype(a.dtype)
     e = RMSNorm(a.norm_eps, a.dtype, name="enorm")(emb_BxSxD)
     h = RMSNorm(a.norm_eps, a.dtype, name="hnorm")(h_prev_BxSxD)
@@ -142,7 +252,7 @@ class Depth(nn.Module):
       out_BxSxD = RMSNorm(a.norm_eps, a.dtype, name="shared_head_norm")(h_BxSxD)
     else:
       out_BxSxD = rms_norm(h_BxSxD, s.norm_D, a.norm_eps)
-    if self.chain:
+    if s.decoding:
       tok_BxS = jnp.argmax(out_BxSxD.astype(jnp.float32) @ s.unembed_DxV, axis=-1)
     return (h_BxSxD, tok_BxS), (out_BxSxD, new_cache)
 
@@ -154,21 +264,46 @@ def shift_left(x_BxSx_, k: int):
 
 
 @register("sequential")
-class SequentialHeads(nn.Module):
+class SequentialHeads(HeadKind):
   """DeepSeek-V3 MTP: head 1 is the trunk (final norm + shared unembedding); depths 1..n-1 are
   a causal chain of `Depth` modules, nn.scan over stacked params. Depth k at position t sees
-  x_{<=t+k} and predicts x_{t+k+1}, i.e. it is head k+1."""
-  args: ModelArgs
+  x_{<=t+k} and predicts x_{t+k+1}, i.e. it is head k+1.
+
+  Where public implementations disagree, a config field chooses (`presets` names who does
+  which): the concatenation order, the trunk state before or after the final norm, and each
+  depth's own output norm or the main one."""
+  stacks = {"depths": 2}
+  choices = {"seq_concat": ("emb_first", "hidden_first"),
+             "seq_trunk_state": ("post_norm", "pre_norm"),
+             "seq_output_norm": ("per_module", "shared")}
+  preset_field = "seq_preset"
+  presets = {
+      # The released DeepSeek-V3 weights, Megatron, vLLM, SGLang: eh_proj([enorm(emb);
+      # hnorm(h)]), h taken after the main model's final norm, `shared_head.norm` per module.
+      "deepseek_v3": dict(seq_concat="emb_first", seq_trunk_state="post_norm",
+                          seq_output_norm="per_module"),
+      # The paper's eq. 21 ([h; emb]) as MiMo writes it.
+      "paper": dict(seq_concat="hidden_first", seq_trunk_state="post_norm",
+                    seq_output_norm="per_module"),
+      # MaxText: trunk state before the final norm, the main model's norm reused for every
+      # depth.
+      "maxtext": dict(seq_concat="emb_first", seq_trunk_state="pre_norm",
+                      seq_output_norm="shared"),
+  }
+
+  @classmethod
+  def cache_blocks(cls, args: ModelArgs) -> int:
+    return args.n_future - 1
 
   @nn.compact
-  def __call__(self, z_BxSxD, s: Shared, cache=None, chain: bool = False):
+  def __call__(self, z_BxSxD, s: Shared, cache=None):
     a = self.args
     h1_BxSxD = rms_norm(z_BxSxD, s.norm_D, a.norm_eps)
     if a.n_future == 1:
       return h1_BxSxD[None], cache
     h0_BxSxD = h1_BxSxD if a.seq_trunk_state == "post_norm" else z_BxSxD
     D = a.n_future - 1
-    if chain:
+    if s.decoding:
       emb_DxBxSxD = None
       tok_BxS = jnp.argmax(h1_BxSxD.astype(jnp.float32) @ s.unembed_DxV, axis=-1)
     else:
@@ -177,6 +312,6 @@ class SequentialHeads(nn.Module):
     depths = nn.scan(Depth, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=(0, 0, nn.broadcast), length=D,
                      metadata_params={nn.PARTITION_NAME: "mtp_heads"})
-    _, (out_DxBxSxD, new_cache) = depths(a, chain, name="depths")(
+    _, (out_DxBxSxD, new_cache) = depths(a, name="depths")(
         (h0_BxSxD.astype(a.dtype), tok_BxS), emb_DxBxSxD, cache, s)
     return jnp.concatenate([h1_BxSxD[None], out_DxBxSxD.astype(h1_BxSxD.dtype)]), new_cache

@@ -8,8 +8,7 @@ Every parameter carries logical axis names; `mtp_jax.sharding` maps them to mesh
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
@@ -17,48 +16,11 @@ import jax.numpy as jnp
 
 from mtp_jax import sharding
 
+if TYPE_CHECKING:  # for annotations only: config imports the heads, which import this module
+  from mtp_jax.config import ModelArgs
+
 Cache = dict[str, jax.Array]  # {"k": [B, L, K, E], "v": [B, L, K, E]}
 _NEG = -1e30
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelArgs:
-  """Hashable model hyper-parameters, read once from `config.model` by `from_config`."""
-  vocab_size: int
-  d_model: int
-  n_trunk: int  # trunk blocks (parallel heads: n_layers - n_future, the rest are head blocks)
-  n_future: int
-  n_heads: int
-  n_kv_heads: int
-  d_ff: int
-  max_len: int
-  rope_theta: float = 10000.0
-  norm_eps: float = 1e-5
-  tie_embeddings: bool = True
-  remat_policy: str = "none"
-  scan_layers: bool = True
-  dtype: Any = jnp.float32
-  head_kind: str = "parallel"
-  parallel_stack: str = "vmap"
-  seq_concat: str = "emb_first"
-  seq_trunk_state: str = "post_norm"
-  seq_output_norm: str = "per_module"
-
-  @classmethod
-  def from_config(cls, m) -> "ModelArgs":
-    n_trunk = m.n_layers - m.n_future if m.heads.kind == "parallel" else m.n_layers
-    return cls(
-        vocab_size=m.vocab_size, d_model=m.d_model, n_trunk=n_trunk, n_future=m.n_future,
-        n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, d_ff=m.d_ff, max_len=m.max_len,
-        rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
-        remat_policy=m.remat_policy, scan_layers=m.scan_layers,
-        dtype=jnp.dtype(m.dtype), head_kind=m.heads.kind,
-        parallel_stack=m.heads.parallel_stack, seq_concat=m.heads.seq_concat,
-        seq_trunk_state=m.heads.seq_trunk_state, seq_output_norm=m.heads.seq_output_norm)
-
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.n_heads
 
 
 def dense_init(axes):

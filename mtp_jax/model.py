@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import ml_collections
 
 from mtp_jax import config as config_lib
-from mtp_jax.heads import HEADS, Shared, head_cache_blocks
-from mtp_jax.layers import Block, ModelArgs, init_cache, norm_param, remat
+from mtp_jax import heads
+from mtp_jax.config import ModelArgs
+from mtp_jax.layers import Block, init_cache, norm_param, remat
 
 
 class Trunk(nn.Module):
@@ -50,12 +51,13 @@ class Trunk(nn.Module):
 
 class MTPModel(nn.Module):
   """tokens_BxS -> (h_NxBxSxD, cache). Pass `cache` (from `init_decode_cache`) and absolute
-  `positions_BxS` to decode; `chain=True` makes sequential depths read their own drafts."""
+  `positions_BxS` to decode; `decoding=True` (no teacher forcing: heads that would read the
+  next tokens, sequential depths, read their own drafts)."""
   args: ModelArgs
 
   @nn.compact
   def __call__(self, tokens_BxS, segment_ids_BxS=None, positions_BxS=None, cache=None, *,
-               embeddings_BxSxD=None, chain: bool = False):
+               embeddings_BxSxD=None, decoding: bool = False):
     a = self.args
     B, S = tokens_BxS.shape
     if positions_BxS is None:
@@ -72,11 +74,12 @@ class MTPModel(nn.Module):
       unembed_DxV = self.param("unembed", nn.with_logical_partitioning(
           nn.initializers.normal(a.d_model ** -0.5), ("embed", "vocab")),
                                (a.d_model, a.vocab_size), jnp.float32)
-    shared = Shared(x_BxSxD=x_BxSxD, positions_BxS=positions_BxS,
-                    segment_ids_BxS=segment_ids_BxS, norm_D=norm_param(self, "norm", a.d_model),
-                    embed_VxD=embed.embedding, unembed_DxV=unembed_DxV)
-    h_NxBxSxD, head_cache = HEADS[a.head_kind](a, name="heads")(
-        z_BxSxD, shared, None if cache is None else cache["heads"], chain)
+    shared = heads.Shared(x_BxSxD=x_BxSxD, positions_BxS=positions_BxS,
+                          segment_ids_BxS=segment_ids_BxS,
+                          norm_D=norm_param(self, "norm", a.d_model), embed_VxD=embed.embedding,
+                          unembed_DxV=unembed_DxV, decoding=decoding)
+    h_NxBxSxD, head_cache = heads.KINDS[a.head_kind](a, name="heads")(
+        z_BxSxD, shared, None if cache is None else cache["heads"])
     new_cache = None if cache is None else {"trunk": trunk_cache, "heads": head_cache}
     return h_NxBxSxD, new_cache
 
@@ -97,13 +100,6 @@ def init_params(model: MTPModel, rng: jax.Array, seq_len: int = 8) -> Any:
   return jax.jit(lambda r: nn.unbox(model.init(r, tokens)["params"]))(rng)
 
 
-def logical_axes(model: MTPModel, seq_len: int = 8) -> Any:
-  """Pytree of PartitionSpecs of logical axis names, matching `init_params`."""
-  tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-  boxed = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t), tokens)
-  return nn.get_partition_spec(boxed)["params"]
-
-
 def unembedding(params, args: ModelArgs) -> jax.Array:
   """The shared output matrix W_DxV (the transposed embedding when tied)."""
   return params["embed"]["embedding"].T if args.tie_embeddings else params["unembed"]
@@ -117,7 +113,7 @@ def logits(params, args: ModelArgs, h_NxBxSxD) -> jax.Array:
 
 def init_decode_cache(args: ModelArgs, batch: int, length: int, dtype=jnp.float32):
   """Zeroed KV caches for the trunk and every attention block of the heads."""
-  n_head_blocks = head_cache_blocks(args)
+  n_head_blocks = heads.KINDS[args.head_kind].cache_blocks(args)
   return {"trunk": init_cache(args, args.n_trunk, batch, length, dtype),
           "heads": init_cache(args, n_head_blocks, batch, length, dtype)
           if n_head_blocks else None}

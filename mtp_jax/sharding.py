@@ -30,7 +30,8 @@ import ml_collections
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from mtp_jax.config import DISTRIBUTED_MODES
+# config.mesh.distributed (here, not in config.py: config imports the head kinds, which import us)
+DISTRIBUTED_MODES = ("auto", "on", "off")
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,6 @@ def shard_batch(batch, sharding: NamedSharding):
   if jax.process_count() == 1:
     return jax.device_put(batch, sharding)
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P())
 
 
 # (mesh, rules) while tracing inside `activation_rules`; None elsewhere.

@@ -241,15 +241,11 @@ def check_decode(results):
       mesh = shard_lib.make_mesh(c)
       tx = optim_lib.make_optimizer(c)
       param_sh = train_lib.state_shardings(model, tx, c, mesh).params
-      # decode.py caches compiled programs by shapes only; a program compiled for one device
-      # refuses sharded params, so start each mesh afresh.
-      decode_lib._COMPILED.clear()  # pylint: disable=protected-access
       res = decode_lib.decode(jax.device_put(params, param_sh), model.args, prompts, **kw)
       out[f"{kind}/{','.join(map(str, m))}"] = {
           "tokens_equal": bool(np.array_equal(res.tokens, ref.tokens)),
           "lengths_equal": bool(np.array_equal(res.lengths, ref.lengths)),
           "cycles": int(res.cycles.sum()), "cycles_one_device": int(ref.cycles.sum())}
-    decode_lib._COMPILED.clear()  # pylint: disable=protected-access
   results["decode"] = out
   print("decode", out, flush=True)
 

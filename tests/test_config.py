@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
+import ml_collections
 import pytest
 
 from mtp_jax import config as config_lib
+from mtp_jax import heads
 from mtp_jax.model import build_model, init_params, param_count
 
 
@@ -111,13 +115,15 @@ def test_custom_seq_fields_conflicting_with_preset_are_an_error(make_config):
   assert c.model.heads.seq_concat == "hidden_first"
 
 
-@pytest.mark.parametrize("preset", sorted(config_lib.SEQ_PRESETS))
+@pytest.mark.parametrize("preset", sorted(heads.SequentialHeads.presets))
 def test_seq_preset_sets_its_three_fields(make_config, preset):
   c = make_config("sequential", 3)
   c.model.heads.seq_preset = preset
   config_lib.validate(c)
   h = c.model.heads
-  assert (h.seq_concat, h.seq_trunk_state, h.seq_output_norm) == config_lib.SEQ_PRESETS[preset]
+  fields = heads.SequentialHeads.presets[preset]
+  assert sorted(fields) == ["seq_concat", "seq_output_norm", "seq_trunk_state"]
+  assert {f: h[f] for f in fields} == fields
 
 
 def test_empty_seq_preset_keeps_custom_fields(make_config):
@@ -135,3 +141,75 @@ def test_default_config_size():
   model = build_model(config_lib.base_config())
   shapes = jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0)))
   assert 4e6 < param_count(shapes) < 6e6
+
+
+def _float_fields(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  """Every float field of the config tree, dotted ("optim.lr")."""
+  out = []
+  for key, value in c.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      out += _float_fields(value, f"{prefix}{key}.")
+    elif isinstance(value, float):
+      out.append(prefix + key)
+  return out
+
+
+FLOAT_FIELDS = _float_fields(config_lib.base_config())
+
+
+def test_every_float_field_has_a_range():
+  assert len(FLOAT_FIELDS) >= 12, FLOAT_FIELDS  # the walk finds them
+  assert sorted(FLOAT_FIELDS) == sorted(config_lib.FLOAT_RANGES)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+def test_non_finite_float_is_an_error(make_config, field, value):
+  c = make_config("parallel", 2)
+  config_lib.validate(c)
+  _set(field, value)(c)
+  with pytest.raises(ValueError, match=rf"^config\.{field}: must be a finite number .*, got "
+                     rf"-?(nan|inf)$"):
+    config_lib.validate(c)
+
+
+# Values just outside each range (worked out from what the code does with them), and the
+# edges that are allowed.
+OUT_OF_RANGE = [("optim.lr", 0.0), ("optim.lr", -1e-3), ("optim.b1", 1.0), ("optim.b2", -0.1),
+                ("optim.eps", 0.0), ("optim.min_lr_ratio", 1.5), ("optim.weight_decay", -0.1),
+                ("optim.grad_clip", -1.0), ("loss.geometric_decay", 0.0),
+                ("loss.geometric_decay", 1.01), ("loss.mtp_lambda", -0.3), ("loss.z_loss", -1e-4),
+                ("model.norm_eps", 0.0), ("model.rope_theta", -1.0)]
+IN_RANGE = [("optim.b1", 0.0), ("optim.min_lr_ratio", 0.0), ("optim.min_lr_ratio", 1.0),
+            ("optim.grad_clip", 0.0), ("optim.weight_decay", 0.0), ("loss.geometric_decay", 1.0),
+            ("loss.mtp_lambda", 0.0), ("loss.z_loss", 0.0)]
+
+
+@pytest.mark.parametrize("field,value", OUT_OF_RANGE)
+def test_float_out_of_range_is_an_error(make_config, field, value):
+  c = make_config("parallel", 2)
+  _set(field, value)(c)
+  with pytest.raises(ValueError, match=rf"^config\.{field}: must be a finite number "):
+    config_lib.validate(c)
+
+
+def test_float_range_edges_validate(make_config):
+  for field, value in IN_RANGE:
+    c = make_config("parallel", 2)
+    _set(field, value)(c)
+    config_lib.validate(c)
+
+
+def test_head_weight_list_must_be_finite(make_config):
+  c = make_config("parallel", 2)
+  c.loss.head_weights = "1,nan"
+  with pytest.raises(ValueError, match=r"^config\.loss\.head_weights: .*finite"):
+    config_lib.validate(c)
+
+
+def test_nan_learning_rate_message():
+  c = config_lib.base_config()
+  c.optim.lr = float("nan")
+  with pytest.raises(ValueError) as err:
+    config_lib.validate(c)
+  assert str(err.value) == "config.optim.lr: must be a finite number > 0, got nan"

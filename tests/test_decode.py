@@ -1,6 +1,7 @@
 """Greedy self-speculative decoding equals greedy decoding, token for token, on every row:
 random models and briefly trained ones (where drafts really get accepted), every head kind,
-ragged batches, one-token prompts, EOS inside an accepted block, max length inside a block."""
+ragged batches, one-token prompts, EOS inside an accepted block, max length inside a block. The
+acceptance rule of one cycle (`accept_greedy`) against hand-worked cases."""
 
 from __future__ import annotations
 
@@ -95,9 +96,6 @@ def test_trained_ragged_batch_accepts_drafts(trained):
   assert s.forwards < g.forwards
   # Row 0, a one-token prompt, continues the cycle.
   assert g.tokens[0].tolist() == [CYCLE[(1 + i) % len(CYCLE)] for i in range(MAX_NEW)]
-  assert s.accepted_hist.sum() == s.cycles.sum()
-  by_pos = s.acceptance_by_position()
-  assert len(by_pos) == 3 and np.all(np.diff(by_pos) <= 1e-9) and np.all(by_pos <= 1)
 
 
 def test_trained_eos_inside_accepted_block(trained):
@@ -117,6 +115,10 @@ def test_trained_max_length_inside_block(trained):
   g, s = both(args, params, [[3], [1, 9]], k=4, max_new_tokens=7, eos_id=-1)
   assert_same(g, s)
   assert (s.lengths == 7).all()
+  # It did stop there: two cycles a row, the first accepting all 3 drafts (4 tokens), the
+  # second accepting all 3 again but cut to the 2 tokens the budget left.
+  assert s.cycles.tolist() == [2, 2] and s.forwards == 3, (s.cycles, s.forwards)
+  assert s.accepted_hist.tolist() == [0, 0, 0, 4], s.accepted_hist
 
 
 def test_k1_is_greedy_with_one_token_per_forward(trained):
@@ -142,3 +144,59 @@ def test_bad_decode_arguments(random_model):
     decode_lib.decode(params, args, [[1] * 90], k=2, max_new_tokens=10, **kw)
   with pytest.raises(ValueError, match="prompt"):
     decode_lib.decode(params, args, [[]], k=2, max_new_tokens=4, **kw)
+
+
+# accept_greedy, one cycle's rule, by hand. k = 4: the window is [last, d1, d2, d3], head 1's
+# argmax g0..g3; draft d(j+1) is accepted while it equals g_j and all before it were accepted.
+# (name, drafts d1..d3, g0..g3, budget, (accepted m, tokens gained n, new last, EOS among them))
+LAST = 1
+ACCEPT_CASES = [
+    ("all_accepted", [5, 6, 7], [5, 6, 7, 8], 10, (3, 4, 8, False)),
+    ("first_rejected", [9, 6, 7], [5, 6, 7, 8], 10, (0, 1, 5, False)),
+    # d3 equals g2, but after a rejection it does not count.
+    ("second_rejected", [5, 9, 7], [5, 6, 7, 8], 10, (1, 2, 6, False)),
+    ("third_rejected", [5, 6, 9], [5, 6, 7, 8], 10, (2, 3, 7, False)),
+    ("eos_inside_accepted_run", [5, EOS, 7], [5, EOS, 7, 8], 10, (3, 2, EOS, True)),
+    ("eos_first", [9, 9, 9], [EOS, 6, 7, 8], 10, (0, 1, EOS, True)),
+    # An EOS past the rejected draft is never gained.
+    ("eos_after_rejection", [5, 9, EOS], [5, 6, EOS, 8], 10, (1, 2, 6, False)),
+    ("budget_cut", [5, 6, 7], [5, 6, 7, 8], 2, (3, 2, 6, False)),
+    ("budget_cuts_before_eos", [5, 6, EOS], [5, 6, EOS, 8], 2, (3, 2, 6, False)),
+    ("finished_row", [5, 6, 7], [5, 6, 7, 8], 0, (3, 0, LAST, False)),
+]
+
+
+def test_accept_greedy_hand_worked_cases():
+  names, drafts, greedy, budget, want = zip(*ACCEPT_CASES)
+  B = len(names)
+  got = decode_lib.accept_greedy(np.asarray(drafts, np.int32), np.asarray(greedy, np.int32),
+                                 np.full(B, LAST, np.int32), EOS, np.asarray(budget, np.int32))
+  got = [tuple(x) for x in zip(*(np.asarray(a).tolist() for a in got))]
+  for name, w, g in zip(names, want, got):
+    assert g == w, (name, g, w)
+
+
+def test_acceptance_by_position_by_hand():
+  # 10 row-cycles: 1 accepted no draft, 2 one, 3 two, 4 all three. Draft 1 passed in 9 of 10,
+  # draft 2 in 7, draft 3 in 4.
+  r = decode_lib.DecodeResult(tokens=np.zeros((1, 1)), lengths=np.asarray([21]),
+                              cycles=np.asarray([10]), accepted_hist=np.asarray([1, 2, 3, 4]),
+                              forwards=11)
+  np.testing.assert_allclose(r.acceptance_by_position(), [0.9, 0.7, 0.4])
+  assert r.tokens_per_forward == 2.0  # 20 tokens after prefill in 10 cycles
+
+
+def test_decoder_compiles_once_and_runs_any_prompts_of_its_shape(random_model):
+  args, params = random_model
+  decoder = decode_lib.Decoder(params, args, k=2, batch=3, prompt_len=11, max_new_tokens=MAX_NEW)
+  ids = dict(eos_id=-1, pad_id=PAD)
+  assert decoder.compile_seconds >= 0
+  first = decoder(RAGGED, **ids)
+  assert_same(decode_lib.decode(params, args, RAGGED, k=2, max_new_tokens=MAX_NEW, **ids), first)
+  other = [[2, 2], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+  assert_same(decode_lib.decode(params, args, other, k=2, max_new_tokens=MAX_NEW, **ids),
+              decoder(other, **ids))
+  with pytest.raises(ValueError, match="^prompt: this Decoder takes 3 prompts"):
+    decoder(RAGGED[:2], **ids)
+  with pytest.raises(ValueError, match="^prompt: this Decoder takes 3 prompts"):
+    decoder([[1] * 12, [1], [1]], **ids)

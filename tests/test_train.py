@@ -20,7 +20,7 @@ from conftest import copy_code_corpus
 
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
-from mtp_jax import train as train_lib
+from mtp_jax import steps as steps_lib
 from mtp_jax.model import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,16 +169,16 @@ def test_nonfinite_step_is_skipped_and_params_unchanged(corpus):
   model = build_model(config)
   tx = optim_lib.make_optimizer(config)
   mesh = shard_lib.make_mesh(config)
-  state = train_lib.init_state(model, tx, config, mesh, jax.random.PRNGKey(0))
+  state = steps_lib.init_state(model, tx, config, mesh, jax.random.PRNGKey(0))
   before = jax.device_get(state.params)
-  step = jax.jit(train_lib.make_train_step(model, tx, config))
+  step = jax.jit(steps_lib.make_train_step(model, tx, config))
   batch = {"tokens": jnp.ones((4, 32), jnp.int32), "segment_ids": jnp.ones((4, 32), jnp.int32)}
   state, m = step(state, batch)
   assert int(m["nonfinite_total"]) == 1 and int(m["nonfinite_consecutive"]) == 1
   jax.tree.map(np.testing.assert_array_equal, before, jax.device_get(state.params))
   state, m = step(state, batch)  # step 1 is clean: params move, the consecutive count resets
   assert int(m["nonfinite_total"]) == 1 and int(m["nonfinite_consecutive"]) == 0
-  assert train_lib.params_sha256(state.params) != train_lib.params_sha256(before)
+  assert steps_lib.params_sha256(state.params) != steps_lib.params_sha256(before)
 
 
 def test_consecutive_nonfinite_stops_and_keeps_checkpoint(corpus, tmp_path):

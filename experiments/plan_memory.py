@@ -8,7 +8,7 @@ Simulates `--devices` CPU devices (XLA_FLAGS=--xla_force_host_platform_device_co
 jax starts; the script re-executes itself if jax was already imported), builds the config's mesh,
 and compiles the real train step (forward, MTP loss, backward, optimizer update; donated state;
 the shardings `train.py` uses) on abstract shapes only: `jax.ShapeDtypeStruct`s carrying the
-shardings of `train.abstract_state` and `sharding.batch_sharding`, then `.lower().compile()`.
+shardings of `steps.abstract_state` and `sharding.batch_sharding`, then `.lower().compile()`.
 Nothing is allocated. `memory_analysis()` of the compiled SPMD program is per device: argument,
 output, aliased (outputs written into donated arguments) and temp bytes. The same again for
 n_future = 1 with the same n_layers, which for parallel heads is the matched-parameter

@@ -21,7 +21,7 @@ import numpy as np
 
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
-from mtp_jax import train as train_lib
+from mtp_jax import steps as steps_lib
 from mtp_jax.config import load_file
 from mtp_jax.model import build_model, param_count
 
@@ -40,8 +40,8 @@ def setup(config_path, kind, n_future, overrides):
   model = build_model(c)
   tx = optim_lib.make_optimizer(c)
   mesh = shard_lib.make_mesh(c)
-  state = train_lib.init_state(model, tx, c, mesh, jax.random.PRNGKey(0))
-  step = jax.jit(train_lib.make_train_step(model, tx, c), donate_argnums=0)
+  state = steps_lib.init_state(model, tx, c, mesh, jax.random.PRNGKey(0))
+  step = jax.jit(steps_lib.make_train_step(model, tx, c), donate_argnums=0)
   rng = np.random.default_rng(0)
   B, S = c.train.batch_size, c.data.seq_len
   batch = {"tokens": rng.integers(0, 256, (B, S)).astype(np.int32),

@@ -7,8 +7,8 @@ renting the chips.
 Simulates `--devices` CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count, set before
 jax starts; the script re-executes itself if jax was already imported), builds the config's mesh,
 and compiles the real train step (forward, MTP loss, backward, optimizer update; donated state;
-the shardings `run.py` uses) on abstract shapes only: `jax.ShapeDtypeStruct`s carrying the
-shardings of `train.abstract_state` and `sharding.batch_sharding`, then `.lower().compile()`.
+the shardings `train.py` uses) on abstract shapes only: `jax.ShapeDtypeStruct`s carrying the
+shardings of `steps.abstract_state` and `sharding.batch_sharding`, then `.lower().compile()`.
 Nothing is allocated. `memory_analysis()` of the compiled SPMD program is per device: argument,
 output, aliased (outputs written into donated arguments) and temp bytes. The same again for
 n_future = 1 with the same n_layers, which for parallel heads is the matched-parameter
@@ -115,7 +115,7 @@ def plan(config, n_future: int) -> dict:
   import numpy as np  # pylint: disable=import-outside-toplevel
   from mtp_jax import optimizer as optim_lib  # pylint: disable=import-outside-toplevel
   from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax import train as train_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
   from mtp_jax.config import parse_head_weights  # pylint: disable=import-outside-toplevel
   from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
 
@@ -127,7 +127,7 @@ def plan(config, n_future: int) -> dict:
   tx = optim_lib.make_optimizer(c)
   mesh = shard_lib.make_mesh(c)
   shard_lib.check_batch(c, mesh)
-  state = train_lib.abstract_state(model, tx, c, mesh)
+  state = steps_lib.abstract_state(model, tx, c, mesh)
   state_sh = jax.tree.map(lambda s: s.sharding, state)
   batch_sh = shard_lib.batch_sharding(mesh)
   B, S = c.train.batch_size, c.data.seq_len
@@ -135,7 +135,7 @@ def plan(config, n_future: int) -> dict:
            for k in ("tokens", "segment_ids")}
   t0 = time.perf_counter()
   with shard_lib.activation_rules(mesh, c):
-    step = jax.jit(train_lib.make_train_step(model, tx, c), in_shardings=(state_sh, batch_sh),
+    step = jax.jit(steps_lib.make_train_step(model, tx, c), in_shardings=(state_sh, batch_sh),
                    out_shardings=(state_sh, None), donate_argnums=0)
     compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - t0

@@ -18,11 +18,12 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
+from mtp_jax import cli
 from mtp_jax import config as config_lib
 from mtp_jax import decode as decode_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
-from mtp_jax import train as train_lib
+from mtp_jax import steps as steps_lib
 from mtp_jax.checkpoint import Checkpointer
 from mtp_jax.data import tokenizers
 from mtp_jax.model import build_model
@@ -51,7 +52,7 @@ def load_workdir(workdir: str) -> Loaded:
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints,
                       async_save=False)
   try:
-    target = train_lib.abstract_state(model, tx, config, mesh)
+    target = steps_lib.abstract_state(model, tx, config, mesh)
     if ckpt.saved_keys() == {"params"}:  # imported by mtp_jax.convert: no optimizer state
       target = {"params": target.params}
     restored = ckpt.restore_latest(target)
@@ -130,7 +131,7 @@ flags.DEFINE_integer("heads", None, "heads used for drafting, 1..n_future (defau
 
 def main(argv):
   del argv
-  train_lib.quiet_logs()
+  cli.quiet_logs()
   try:
     if not FLAGS.workdir:
       raise ValueError("--workdir: required, a training workdir")
@@ -148,4 +149,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=train_lib.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -12,6 +12,10 @@ pass recomputes one head's logits at a time: only one [B, S, V] block is alive i
 `token_chunks` tiles each head along the sequence to bound it further, [B, S / C, V].
 (`dots_with_no_batch_dims_saveable` would save every head's logits: measured, see DESIGN.md.)
 Nothing goes through Flax intermediates: the loss and metrics are returned.
+
+Everything is first a per-head sum over tokens (`mtp_sums`: NLL, lse^2, correct, agreeing,
+scored tokens); `summarise` divides once per head. Sums add up across micro-batches, so a
+gradient-accumulating train step (steps.py) reproduces the full batch's per-head token means.
 """
 
 from __future__ import annotations
@@ -75,33 +79,62 @@ def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT):
   return nll, zsq, jnp.argmax(logits_BxTxV, axis=-1).astype(jnp.int32)
 
 
-def _summarise(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS, weights_N, z_loss):
-  """Scalar loss and per-head metrics from per-head sums and argmaxes."""
-  count_N = jnp.sum(mask_NxBxS, axis=(1, 2)).astype(jnp.float32)
-  denom_N = jnp.maximum(count_N, 1.0)
-  head_loss_N = nll_N / denom_N
-  loss = jnp.sum(jnp.asarray(weights_N) * (head_loss_N + z_loss * zsq_N / denom_N))
+def head_token_counts(tokens_BxS, segment_ids_BxS, n_future: int):
+  """count_N[i]: how many targets head i + 1 is scored on. Depends on the batch alone, so a
+  gradient-accumulating step can compute the full batch's counts before its micro-batches."""
+  _, mask_NxBxS = targets_and_mask(tokens_BxS, segment_ids_BxS, n_future)
+  return jnp.sum(mask_NxBxS, axis=(1, 2)).astype(jnp.float32)
+
+
+def _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS):
+  """Per-head sums over the scored tokens: what adds up exactly across micro-batches."""
   correct_N = jnp.sum((pred_NxBxS == tgt_NxBxS) & mask_NxBxS, axis=(1, 2))
   # Draft-acceptance proxy: head k at t against head 1's greedy choice at t + k - 1 (the same
   # target position), over head k's valid positions.
-  N, _, S = pred_NxBxS.shape
+  N = pred_NxBxS.shape[0]
   agree = []
   for k in range(N):
     head1_at_BxS = jnp.pad(pred_NxBxS[0][:, k:], ((0, 0), (0, k)))
     agree.append(jnp.sum((pred_NxBxS[k] == head1_at_BxS) & mask_NxBxS[k]))
-  metrics = {
-      "loss": loss,
-      "head_loss": head_loss_N,
-      "head_acc": correct_N / denom_N,
-      "head_agree": jnp.stack(agree) / denom_N,
-      "head_tokens": count_N,
+  return {
+      "nll": nll_N,
+      "zsq": zsq_N,
+      "correct": correct_N.astype(jnp.float32),
+      "agree": jnp.stack(agree).astype(jnp.float32),
+      "tokens": jnp.sum(mask_NxBxS, axis=(1, 2)).astype(jnp.float32),
   }
-  return loss, metrics
+
+
+def weighted_loss(sums, weights_N, z_loss: float, count_N=None):
+  """sum_i lambda_i * (NLL_i + z * lse_i^2) / count_i. `count_N` defaults to the sums' own token
+  counts; a micro-batch passes the whole batch's, so its losses add up to the batch's loss."""
+  denom_N = jnp.maximum(sums["tokens"] if count_N is None else count_N, 1.0)
+  per_head_N = sums["nll"] / denom_N + z_loss * sums["zsq"] / denom_N
+  return jnp.sum(jnp.asarray(weights_N) * per_head_N)
+
+
+def summarise(sums, weights_N, z_loss: float):
+  """Scalar loss and per-head metrics (means over each head's own tokens) from per-head sums."""
+  denom_N = jnp.maximum(sums["tokens"], 1.0)
+  metrics = {
+      "loss": weighted_loss(sums, weights_N, z_loss),
+      "head_loss": sums["nll"] / denom_N,
+      "head_acc": sums["correct"] / denom_N,
+      "head_agree": sums["agree"] / denom_N,
+      "head_tokens": sums["tokens"],
+  }
+  return metrics["loss"], metrics
 
 
 def mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
              token_chunks: int = 1, z_loss: float = 0.0):
   """Memory-lean MTP loss. Returns (scalar loss, metrics with per-head [N] arrays)."""
+  sums = mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, token_chunks=token_chunks)
+  return summarise(sums, weights_N, z_loss)
+
+
+def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunks: int = 1):
+  """Per-head sums (nll, zsq, correct, agree, tokens; each [N]) of the memory-lean loss."""
   N, B, S, D = h_NxBxSxD.shape
   C = token_chunks
   if S % C:
@@ -123,12 +156,18 @@ def mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
 
   _, (nll_N, zsq_N, pred_NxBxS) = jax.lax.scan(
       jax.checkpoint(head, policy=_SAVE_NOTHING), None, (h_NxBxSxD, tgt_NxBxS, mask_NxBxS))
-  return _summarise(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS, weights_N, z_loss)
+  return _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS)
 
 
 def naive_mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
                    z_loss: float = 0.0):
   """Reference: every head's logits materialised at once, O(nV + d). Tests and benchmarks."""
+  return summarise(naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS),
+                   weights_N, z_loss)
+
+
+def naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS):
+  """`mtp_sums` with every head's logits at once."""
   N = h_NxBxSxD.shape[0]
   tgt_NxBxS, mask_NxBxS = targets_and_mask(tokens_BxS, segment_ids_BxS, N)
   logits_NxBxSxV = jnp.einsum("nbsd,dv->nbsv", h_NxBxSxD,
@@ -141,16 +180,22 @@ def naive_mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_
                    axis=(1, 2))
   zsq_N = jnp.sum(jnp.square(lse_NxBxS) * m, axis=(1, 2))
   pred_NxBxS = jnp.argmax(logits_NxBxSxV, axis=-1).astype(jnp.int32)
-  return _summarise(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS, weights_N, z_loss)
+  return _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS)
+
+
+def model_sums(params, model, config, batch):
+  """Forward the model and the per-head loss sums (`mtp_sums`) of a batch: what a train step
+  accumulates over micro-batches."""
+  h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
+  return mtp_sums(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
+                  batch.get("segment_ids"), token_chunks=config.loss.token_chunks)
 
 
 def model_loss(params, model, config, batch, *, naive: bool = False):
-  """Forward the model and the loss from a config: what train_step and the tests call."""
-  h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
+  """Forward the model and the loss from a config: what eval_step and the tests call."""
   w = head_weights(config)
   if naive:
+    h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
     return naive_mtp_loss(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
                           batch.get("segment_ids"), w, z_loss=config.loss.z_loss)
-  return mtp_loss(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
-                  batch.get("segment_ids"), w, token_chunks=config.loss.token_chunks,
-                  z_loss=config.loss.z_loss)
+  return summarise(model_sums(params, model, config, batch), w, config.loss.z_loss)

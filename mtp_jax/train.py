@@ -1,182 +1,237 @@
-"""Training: TrainState, pure jitted train_step / eval_step, and the loop behind
+"""The training loop and its command line:
 
     python -m mtp_jax.train --config configs/default.py --workdir DIR [--config.train.steps=N]
 
-Rerunning the same command resumes from the latest good checkpoint in DIR/checkpoints with the
-data iterator where it was, so an interrupted run ends with the same params as an uninterrupted
-one (`params_sha256` in DIR/summary.json).
+Data, resume, progress, eval, checkpoints, signals, summary; the state and the jitted steps it
+drives are in steps.py, what it reports goes through metrics.MetricsWriter. Rerunning the same
+command resumes from the latest good checkpoint in DIR/checkpoints with the data iterator where
+it was, so an interrupted run ends with the same params as an uninterrupted one (`params_sha256`
+in DIR/summary.json). Exit status: 0 done, 2 bad input (one line on stderr), 3 non-finite
+training stopped, 4 checkpoint failure.
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
+import os
+import signal
 import sys
-from typing import Any
+import time
 
-import flax
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mtp_jax import loss as loss_lib
+from mtp_jax import cli
+from mtp_jax import config as config_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
-from mtp_jax.model import MTPModel
+from mtp_jax import steps as steps_lib
+from mtp_jax.checkpoint import Checkpointer
+from mtp_jax.data import pipeline, tokenizers
+from mtp_jax.metrics import MetricsWriter
+from mtp_jax.model import build_model, param_count
 
 
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array
-  params: Any
-  opt_state: Any
+class NonFiniteError(RuntimeError):
+  pass
 
 
-def _dummy_tokens(config):
-  return jnp.zeros((1, min(8, config.data.seq_len)), jnp.int32)
+class _StopFlag:
+  """SIGTERM / SIGINT set a flag; the loop saves and exits at the next step boundary (orbax's own
+  preemption check needs jax.distributed and does nothing in a single process)."""
+
+  def __init__(self):
+    self.signum = None
+    self._old = {}
+
+  def __enter__(self):
+    for s in (signal.SIGTERM, signal.SIGINT):
+      self._old[s] = signal.signal(s, self._set)
+    return self
+
+  def _set(self, signum, _frame):
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for s, old in self._old.items():
+      signal.signal(s, old)
 
 
-def _boxed_state(model: MTPModel, tx, config, rng) -> TrainState:
-  """Train state whose leaves keep their logical-partitioning boxes (for shardings)."""
-  params = model.init(rng, _dummy_tokens(config))["params"]
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+def check_inputs(config: ml_collections.ConfigDict, workdir: str | None):
+  """Everything that can be wrong with the command line, before anything is written."""
+  if config is None:
+    raise ValueError("--config: required, e.g. --config configs/default.py")
+  if not workdir:
+    raise ValueError("--workdir: required, the folder for checkpoints and metrics")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"--workdir: {workdir!r} exists and is not a folder")
+  config_lib.validate(config)
+  tok = tokenizers.get_tokenizer(config.data)
+  if tok.vocab_size > config.model.vocab_size:
+    raise ValueError(f"config.model.vocab_size: the {config.data.tokenizer} tokenizer has "
+                     f"{tok.vocab_size} ids, so it must be >= {tok.vocab_size}, got "
+                     f"{config.model.vocab_size}")
 
 
-def state_shardings(model, tx, config, mesh):
-  boxed = jax.eval_shape(lambda r: _boxed_state(model, tx, config, r), jax.random.PRNGKey(0))
-  return shard_lib.logical_shardings(boxed, mesh, config)
-
-
-def abstract_state(model, tx, config, mesh) -> TrainState:
-  """ShapeDtypeStructs (with shardings) of the unboxed train state: what restore fills in."""
-  shapes = jax.eval_shape(
-      lambda r: nn.unbox(_boxed_state(model, tx, config, r)), jax.random.PRNGKey(0))
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      shapes, state_shardings(model, tx, config, mesh))
-
-
-def init_state(model, tx, config, mesh, rng) -> TrainState:
-  init = jax.jit(lambda r: nn.unbox(_boxed_state(model, tx, config, r)),
-                 out_shardings=state_shardings(model, tx, config, mesh))
-  return init(rng)
-
-
-def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
-  """Pure (state, batch) -> (state, metrics). Gradient accumulation scans over micro-batches."""
-  accum = config.train.grad_accum
-  nan_steps = jnp.asarray(list(config.train.debug_nonfinite_steps) or [-1], jnp.int32)
-
-  def grads_of(params, batch):
-    fn = lambda p: loss_lib.model_loss(p, model, config, batch)
-    (_, metrics), grads = jax.value_and_grad(fn, has_aux=True)(params)
-    return grads, metrics
-
-  def train_step(state: TrainState, batch):
-    if accum == 1:
-      grads, metrics = grads_of(state.params, batch)
-    else:
-      micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
-      def body(carry, mb):
-        g, m = grads_of(state.params, mb)
-        return jax.tree.map(jnp.add, carry, (g, m)), None
-      zeros = jax.eval_shape(grads_of, state.params, jax.tree.map(lambda x: x[0], micro))
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
-      (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
-      grads, metrics = jax.tree.map(lambda x: x / accum, (grads, metrics))
-    # Fault injection for the reliability tests: config.train.debug_nonfinite_steps.
-    poison = jnp.any(nan_steps == state.step)
-    grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    consecutive, total = optim_lib.nonfinite_counts(opt_state)
-    metrics = dict(metrics, grad_norm=optax.tree.norm(grads),
-                   nonfinite_consecutive=consecutive, nonfinite_total=total)
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-  return train_step
-
-
-def make_eval_step(model: MTPModel, config):
-  def eval_step(params, batch):
-    return loss_lib.model_loss(params, model, config, batch)[1]
-  return eval_step
-
-
-def params_sha256(params) -> str:
-  """sha256 over every parameter's path and bytes, in a fixed (sorted-path) order."""
-  h = hashlib.sha256()
-  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
-  for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
-    h.update(jax.tree_util.keystr(path).encode())
-    h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
-  return h.hexdigest()
-
-
-def batches_sha256(batches) -> str:
-  h = hashlib.sha256()
-  for b in batches:
-    for k in sorted(b):
-      h.update(np.ascontiguousarray(b[k]).tobytes())
-  return h.hexdigest()
-
-
-def head_summary(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-  """Flat, JSON-friendly per-head metrics: loss, head1_loss, head2_acc, ..."""
-  out = {}
-  for key, value in metrics.items():
-    value = np.asarray(value)
-    if value.ndim == 1 and key.startswith("head_"):
-      for i, v in enumerate(value):
-        out[f"{prefix}head{i + 1}_{key[5:]}"] = float(v)
-    elif value.ndim == 0:
-      out[prefix + key] = float(value)
+def evaluate(eval_step, params, config, batch_sharding) -> dict:
+  """Token-weighted mean of per-head loss / accuracy / agreement over the first
+  `train.eval_batches` validation batches (the same ones every time)."""
+  it = pipeline.make_iterator(config, "validation", repeat=False)
+  sums, total = None, None
+  for _, batch in zip(range(config.train.eval_batches), it):
+    m = jax.device_get(eval_step(params, shard_lib.shard_batch(batch, batch_sharding)))
+    w = np.asarray(m["head_tokens"])
+    part = {k: np.asarray(m[k]) * w for k in ("head_loss", "head_acc", "head_agree")}
+    sums = part if sums is None else {k: sums[k] + part[k] for k in part}
+    total = w if total is None else total + w
+  if sums is None:
+    logging.warning("validation split is empty: no eval")
+    return {}
+  out = {k: v / np.maximum(total, 1) for k, v in sums.items()}
+  out["head_tokens"] = total
   return out
 
 
-# The command-line run lives in run.py so this module stays a library; `python -m mtp_jax.train`
-# goes through main() below.
-FLAGS = flags.FLAGS
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Runs (or resumes) training to config.train.steps; returns the summary it writes."""
+  t_start = time.time()
+  shard_lib.maybe_initialize_distributed(config.mesh.distributed)  # before process_index is read
+  train_it = pipeline.make_iterator(config, "train")
+  next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now, not at eval
+  os.makedirs(workdir, exist_ok=True)
+  config_lib.save_json(config, os.path.join(workdir, "config.json"))
 
+  mesh = shard_lib.make_mesh(config)
+  shard_lib.check_batch(config, mesh)
+  model = build_model(config)
+  tx = optim_lib.make_optimizer(config)
+  state_sh = steps_lib.state_shardings(model, tx, config, mesh)
+  batch_sh = shard_lib.batch_sharding(mesh)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints,
+                      async_save=config.train.async_checkpoints)
+  restored = ckpt.restore_latest(steps_lib.abstract_state(model, tx, config, mesh), train_it)
+  if restored is None:
+    state = steps_lib.init_state(model, tx, config, mesh, jax.random.PRNGKey(config.seed))
+  else:
+    state = restored[0]
+  start, steps = int(state.step), config.train.steps
+  end = min(config.train.stop_at or steps, steps)
+  n_params = param_count(state.params)
+  print(f"{'resuming at' if restored else 'starting'} step {start}/{steps}: "
+        f"{n_params:,} params, {config.model.heads.kind} heads, n_future "
+        f"{config.model.n_future}, {len(jax.devices())} {jax.devices()[0].platform} device(s)",
+        flush=True)
 
-def quiet_logs():
-  """Orbax logs every save step at INFO; keep the console for progress unless -v is given."""
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  train_step = jax.jit(steps_lib.make_train_step(model, tx, config),
+                       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
+                       donate_argnums=0)
+  eval_step = jax.jit(steps_lib.make_eval_step(model, config))
+  tokens_per_step = config.train.batch_size * config.data.seq_len
+  writer = MetricsWriter(workdir, total_steps=steps, tokens_per_step=tokens_per_step)
+  batches_f = open(os.path.join(workdir, "batches.log"), "a")
+  pending = None
+  t_log, step_log, t_first = time.time(), start, None
 
+  def handle(step, metrics):
+    nonlocal t_log, step_log
+    m = jax.device_get(metrics)
+    if int(m["nonfinite_consecutive"]) >= config.optim.max_consecutive_nonfinite:
+      raise NonFiniteError(
+          f"{int(m['nonfinite_consecutive'])} consecutive non-finite steps at step {step} "
+          f"(optim.max_consecutive_nonfinite = {config.optim.max_consecutive_nonfinite}); "
+          f"stopped, the last good checkpoint in {ckpt.directory} is kept")
+    if step % config.train.log_every == 0 or step == end:
+      now = time.time()
+      tps = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
+      m["tokens_per_sec"] = tps
+      writer.write(step, "train", m)
+      t_log, step_log = now, step
 
-def parse_flags(argv):
-  """absl flag parsing, with a bad flag or config override as one line instead of a traceback."""
   try:
-    rest = FLAGS(argv)
-    if "config" in FLAGS and FLAGS["config"].present:
-      _ = FLAGS.config.model  # the config file loads lazily: fail here, not deep in the run
-    return rest
-  except (AttributeError, KeyError) as e:
-    bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")
-           and str(e).strip("\"' ") in a.split("=")[0].split(".")]
-    where = bad[0] if bad else "--config"
-    print(f"error: {where}: no such config field ({str(e).strip(chr(34))})", file=sys.stderr)
-  except (flags.Error, TypeError, ValueError, OSError) as e:
-    msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    if "Failed loading config file" in str(e):
-      msg = "--config: cannot load " + " ".join(
-          line.strip() for line in str(e).splitlines()[2:] if line.strip())
-    print(f"error: {msg}", file=sys.stderr)
-  sys.exit(2)
+    with _StopFlag() as stop, shard_lib.activation_rules(mesh, config):
+      for step in range(start, end):
+        batch = next(train_it)
+        batches_f.write(f"{step} {steps_lib.batches_sha256([batch])}\n")
+        state, metrics = train_step(state, shard_lib.shard_batch(batch, batch_sh))
+        if pending is not None:
+          handle(*pending)  # metrics read one step late: no host sync on the step just issued
+        pending = (step + 1, metrics)
+        if t_first is None:
+          t_first = time.time()  # excludes the first step's compile from tokens/s
+        done = step + 1
+        if done % config.train.eval_every == 0 or done == end:
+          ev = evaluate(eval_step, state.params, config, batch_sh)
+          if ev:
+            writer.write(done, "eval", ev)
+        if done % config.train.checkpoint_every == 0 or done == end or stop.signum:
+          ckpt.save(done, state, train_it, force=True)
+        if stop.signum:
+          handle(*pending)
+          pending = None
+          ckpt.wait()
+          print(f"signal {stop.signum}: saved step {done}, exiting", flush=True)
+          break
+      if pending is not None:
+        handle(*pending)
+    ckpt.wait()
+  finally:  # an error still commits the saves in flight and flushes the logs
+    ckpt.close()
+    batches_f.close()
+    writer.close()
+
+  step = int(state.step)
+  run_steps = max(step - start - 1, 0)
+  run_secs = time.time() - t_first if t_first else 0.0
+  summary = {
+      "step": step,
+      "steps": steps,
+      "n_params": n_params,
+      "tokens_seen": step * tokens_per_step,
+      "tokens_per_sec": run_steps * tokens_per_step / run_secs if run_steps and run_secs else 0.0,
+      "wall_seconds": time.time() - t_start,
+      "params_sha256": steps_lib.params_sha256(state.params),
+      "head_kind": config.model.heads.kind,
+      "n_future": config.model.n_future,
+      "interrupted": bool(stop.signum),
+      **writer.last["train"],
+      **writer.last["eval"],
+  }
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def cli_main(flags_) -> int:
+  """Exit status: 0 done, 2 bad input (one line on stderr), 3 non-finite training stopped,
+  4 checkpoint failure."""
+  try:
+    check_inputs(flags_.config, flags_.workdir)
+    summary = train(flags_.config, flags_.workdir)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except NonFiniteError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 3
+  except RuntimeError as e:  # a checkpoint that cannot be saved or restored
+    print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+    return 4
+  print(json.dumps({k: summary[k] for k in ("step", "params_sha256", "tokens_per_sec")}))
+  return 0
 
 
 def main(argv):
-  from mtp_jax import run  # local: run imports this module
   del argv
-  quiet_logs()
-  sys.exit(run.cli_main(FLAGS))
+  cli.quiet_logs()
+  sys.exit(cli_main(cli.FLAGS))
 
 
 if __name__ == "__main__":
+  # Defined here, not at import: `from mtp_jax import train` (a notebook, generate's flags in the
+  # same process) must not define --workdir a second time.
   config_flags.DEFINE_config_file("config", None, "ml_collections config file", lock_config=True)
   flags.DEFINE_string("workdir", None, "where checkpoints, metrics and summary.json go")
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -38,7 +38,7 @@ from mtp_jax import decode as decode_lib  # noqa: E402
 from mtp_jax import loss as loss_lib  # noqa: E402
 from mtp_jax import optimizer as optim_lib  # noqa: E402
 from mtp_jax import sharding as shard_lib  # noqa: E402
-from mtp_jax import train as train_lib  # noqa: E402
+from mtp_jax import steps as train_lib  # noqa: E402
 from mtp_jax.checkpoint import Checkpointer  # noqa: E402
 from mtp_jax.model import build_model  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 from mtp_jax import decode as decode_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
-from mtp_jax import train as train_lib
+from mtp_jax import steps as train_lib
 from mtp_jax.config import base_config
 from mtp_jax.model import build_model, init_params
 

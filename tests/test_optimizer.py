@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp_jax import loss as loss_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
-from mtp_jax import train as train_lib
+from mtp_jax import steps as steps_lib
 from mtp_jax.model import build_model
 
 
 def test_decay_mask_skips_norms_and_embeddings(make_config):
   c = make_config("parallel", 2)
-  params = jax.eval_shape(lambda: train_lib.nn.unbox(
+  params = jax.eval_shape(lambda: nn.unbox(
       build_model(c).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]))
   mask = optim_lib.decay_mask(params)
   flat = {jax.tree_util.keystr(p): m for p, m in jax.tree_util.tree_flatten_with_path(mask)[0]}
@@ -39,8 +41,8 @@ def test_schedule_warms_up_then_decays(make_config, schedule):
 def _state_and_step(c):
   model = build_model(c)
   tx = optim_lib.make_optimizer(c)
-  state = train_lib.init_state(model, tx, c, shard_lib.make_mesh(c), jax.random.PRNGKey(0))
-  return state, jax.jit(train_lib.make_train_step(model, tx, c))
+  state = steps_lib.init_state(model, tx, c, shard_lib.make_mesh(c), jax.random.PRNGKey(0))
+  return state, jax.jit(steps_lib.make_train_step(model, tx, c))
 
 
 def _batch(c, seed=0):
@@ -50,17 +52,65 @@ def _batch(c, seed=0):
           "segment_ids": np.ones((B, S), np.int32)}
 
 
-def test_grad_accumulation_equals_one_big_batch(make_config):
+def _uneven_batch(c):
+  """B = 8 rows of S = 16 with 0, 3, 9, 1, 12, 5, 15 and 2 trailing padding positions and a
+  packed document boundary in some rows: micro-batches of 2 rows hold very different counts of
+  scored tokens, so averaging their means differs from the batch's per-head token mean."""
+  B, S = c.train.batch_size, c.data.seq_len
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, c.model.vocab_size, (B, S)).astype(np.int32)
+  segments = np.ones((B, S), np.int32)
+  for b, (pad, cut) in enumerate([(0, 0), (3, 6), (9, 0), (1, 4), (12, 0), (5, 8), (15, 0),
+                                  (2, 10)]):
+    segments[b, cut:] += cut > 0
+    segments[b, S - pad:] = 0
+    tokens[b, S - pad:] = 0
+  return {"tokens": tokens, "segment_ids": segments}
+
+
+def test_grad_accumulation_is_exact_with_uneven_padding(make_config, make_model):
+  """grad_accum 4 gives the gradients and metrics of grad_accum 1 (and of jax.grad of the
+  plain loss) on one batch with uneven padding, with z-loss and unequal head weights on."""
   c = make_config("parallel", 2)
-  c.train.batch_size = 4
-  batch = _batch(c)
-  state, step = _state_and_step(c)
-  _, m1 = step(state, batch)
-  c.train.grad_accum = 2
-  state, step = _state_and_step(c)
-  _, m2 = step(state, batch)
-  np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-5)
-  np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-4)
+  c.train.batch_size, c.data.seq_len = 8, 16
+  c.loss.z_loss = 1e-2
+  with c.ignore_type():
+    c.loss.head_weights = [1.0, 0.4]
+  model, params = make_model(c)
+  batch = _uneven_batch(c)
+  c4 = c.copy_and_resolve_references()
+  c4.train.grad_accum = 4
+  bare = make_config("parallel", 2)  # z_loss 0, uniform weights
+  plain = lambda p, b: loss_lib.model_loss(p, model, c, b)
+
+  @jax.jit
+  def run(params, batch):
+    ref = jax.grad(plain, has_aux=True)(params, batch)
+    micro = [plain(params, jax.tree.map(lambda x: x[i:i + 2], batch))[1] for i in range(0, 8, 2)]
+    return (steps_lib.make_grad_fn(model, c)(params, batch),
+            steps_lib.make_grad_fn(model, c4)(params, batch), ref, micro,
+            loss_lib.model_loss(params, model, bare, batch)[0])
+
+  (g1, m1), (g4, m4), (g_ref, m_ref), micro, bare_loss = run(params, batch)
+  # 1e-5 of each leaf's largest entry: f32 summation order alone (the batch's rows reversed)
+  # moves the gradients by ~5e-7 of it, micro-batching by ~2e-6; averaging the micro-batches'
+  # mean-loss gradients (the accumulation before issue 12) is off by up to 0.5 of it here.
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+  jax.tree.map(close, g4, g1)
+  jax.tree.map(close, g1, g_ref)
+  for key in ("loss", "head_loss", "head_acc", "head_agree", "head_tokens"):
+    np.testing.assert_allclose(m4[key], m1[key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(m1[key], m_ref[key], rtol=1e-5, err_msg=key)
+  # Counted by hand from the padding and boundaries above (micro-batches: 26, 19, 12, 12 and
+  # 23, 16, 9, 10), not divided by the number of micro-batches.
+  np.testing.assert_array_equal(m4["head_tokens"], [69, 58])
+  # The case tells exact from approximate: the mean of micro-batch means is off by far more than
+  # the tolerance; and z-loss and head weights move the loss the gradients follow (g_ref).
+  mean_of_means = np.mean([m["head_loss"] for m in micro], axis=0)
+  assert np.all(np.abs(mean_of_means - m1["head_loss"]) > 1e-3 * m1["head_loss"])
+  weighted = m4["head_loss"][0] + 0.4 * m4["head_loss"][1]
+  assert float(m4["loss"]) > weighted + 1e-2  # the z-loss term (lse^2 > 0) is in
+  assert abs(float(bare_loss) - float(m4["head_loss"].sum())) < 1e-5 * float(bare_loss)
 
 
 def test_bf16_compute_trains(make_config):

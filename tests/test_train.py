@@ -20,7 +20,7 @@ from conftest import copy_code_corpus
 
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
-from mtp_jax import train as train_lib
+from mtp_jax import steps as steps_lib
 from mtp_jax.model import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,12 +121,15 @@ def test_kill_9_then_resume(corpus, reference, tmp_path):
   assert summary(wd)["params_sha256"] == reference["summary"]["params_sha256"]
 
 
-def test_sigterm_saves_current_step(corpus, tmp_path):
+def test_sigterm_saves_current_step_then_resumes_exactly(corpus, tmp_path):
+  """SIGTERM mid-run saves the step it is at and exits 0; resumed to a later stop_at, the run
+  ends with the params of one never interrupted. train.steps is large so the signal surely lands
+  mid-run (the 20-step reference finishes in a fraction of a second once compiled); it sets the
+  schedule, so the uninterrupted run here uses it too."""
+  long = ("--config.train.steps=100000", "--config.train.checkpoint_every=100000")
   wd = tmp_path / "run"
-  p = subprocess.Popen(train_cmd(corpus, wd, "--config.train.steps=100000",
-                                 "--config.train.checkpoint_every=100000"),
-                       env=env_for(corpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True)
+  p = subprocess.Popen(train_cmd(corpus, wd, *long), env=env_for(corpus), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
   metrics = wd / "metrics.jsonl"
   deadline = time.time() + 300
   while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
@@ -138,6 +141,13 @@ def test_sigterm_saves_current_step(corpus, tmp_path):
   assert s["interrupted"] and 3 <= s["step"] < 100000
   assert ckpt_steps(wd) == [s["step"]]
   assert f"saved step {s['step']}" in out
+  stop = f"--config.train.stop_at={s['step'] + 3}"
+  run_train(corpus, wd, *long, stop)
+  ref = tmp_path / "uninterrupted"
+  run_train(corpus, ref, *long, stop)
+  assert summary(wd)["step"] == summary(ref)["step"] == s["step"] + 3
+  assert summary(wd)["params_sha256"] == summary(ref)["params_sha256"]
+  assert batch_hashes(wd) == batch_hashes(ref)
 
 
 @pytest.mark.parametrize("damage", ["empty", "truncate"])
@@ -154,11 +164,14 @@ def test_corrupt_latest_falls_back(corpus, reference, tmp_path, damage):
         path = os.path.join(dirpath, name)
         with open(path, "r+b") as f:
           f.truncate(os.path.getsize(path) // 2)
-  p = run_train(corpus, wd, "--config.train.steps=25")
+  os.remove(wd / "summary.json")  # the copied one must not pass for the resumed run's
+  p = run_train(corpus, wd)
   assert "15" in p.stderr and "corrupt" in p.stderr.lower(), p.stderr[-2000:]
-  assert summary(wd)["step"] == 25
   assert any(n.startswith("corrupt-20") for n in os.listdir(wd / "checkpoints"))
   assert "resuming at step 15" in p.stdout
+  # Steps 15-20 again from checkpoint 15: the params of the uninterrupted run.
+  assert summary(wd)["step"] == 20
+  assert summary(wd)["params_sha256"] == reference["summary"]["params_sha256"]
 
 
 def test_nonfinite_step_is_skipped_and_params_unchanged(corpus):
@@ -169,16 +182,16 @@ def test_nonfinite_step_is_skipped_and_params_unchanged(corpus):
   model = build_model(config)
   tx = optim_lib.make_optimizer(config)
   mesh = shard_lib.make_mesh(config)
-  state = train_lib.init_state(model, tx, config, mesh, jax.random.PRNGKey(0))
+  state = steps_lib.init_state(model, tx, config, mesh, jax.random.PRNGKey(0))
   before = jax.device_get(state.params)
-  step = jax.jit(train_lib.make_train_step(model, tx, config))
+  step = jax.jit(steps_lib.make_train_step(model, tx, config))
   batch = {"tokens": jnp.ones((4, 32), jnp.int32), "segment_ids": jnp.ones((4, 32), jnp.int32)}
   state, m = step(state, batch)
   assert int(m["nonfinite_total"]) == 1 and int(m["nonfinite_consecutive"]) == 1
   jax.tree.map(np.testing.assert_array_equal, before, jax.device_get(state.params))
   state, m = step(state, batch)  # step 1 is clean: params move, the consecutive count resets
   assert int(m["nonfinite_total"]) == 1 and int(m["nonfinite_consecutive"]) == 0
-  assert train_lib.params_sha256(state.params) != train_lib.params_sha256(before)
+  assert steps_lib.params_sha256(state.params) != steps_lib.params_sha256(before)
 
 
 def test_consecutive_nonfinite_stops_and_keeps_checkpoint(corpus, tmp_path):

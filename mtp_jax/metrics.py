@@ -1,0 +1,82 @@
+"""One writer for what the training loop reports: a console line, DIR/metrics.jsonl (one JSON
+object per write: {"step": ..., "train/loss": ..., "train/head1_loss": ...}) and TensorBoard
+event files in DIR (tensorboardX).
+
+    writer = MetricsWriter(workdir, total_steps=steps, tokens_per_step=B * S)
+    writer.write(step, "train", metrics)   # metrics: scalars and per-head [N] arrays
+    writer.write(step, "eval", metrics)
+    writer.close()
+
+`writer.last[kind]` keeps the last flat values of each kind: the loop puts them in summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+KINDS = ("train", "eval")
+
+
+def head_summary(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  """Flat, JSON-friendly per-head metrics: loss, head1_loss, head2_acc, ..."""
+  out = {}
+  for key, value in metrics.items():
+    value = np.asarray(value)
+    if value.ndim == 1 and key.startswith("head_"):
+      for i, v in enumerate(value):
+        out[f"{prefix}head{i + 1}_{key[5:]}"] = float(v)
+    elif value.ndim == 0:
+      out[prefix + key] = float(value)
+  return out
+
+
+def _fmt_heads(values) -> str:
+  return " ".join(f"{v:.3f}" for v in np.asarray(values))
+
+
+class MetricsWriter:
+  """Console, metrics.jsonl and TensorBoard behind one `write(step, kind, values)`."""
+
+  def __init__(self, workdir: str, *, total_steps: int, tokens_per_step: int, out=None):
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel  (heavy)
+    self.total_steps = total_steps
+    self.tokens_per_step = tokens_per_step
+    self.last: dict[str, dict[str, float]] = {kind: {} for kind in KINDS}
+    self._out = out
+    self._tb = SummaryWriter(workdir)
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+
+  def write(self, step: int, kind: str, values: dict[str, Any]):
+    """`values` of kind "train" carry `tokens_per_sec` (for the console's ETA)."""
+    if kind not in KINDS:
+      raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
+    flat = head_summary(values, prefix=f"{kind}/")
+    for k, v in flat.items():
+      self._tb.add_scalar(k, v, step)
+    self._jsonl.write(json.dumps({"step": step, **flat}) + "\n")
+    self._jsonl.flush()
+    self.last[kind] = flat
+    line = self._train_line(step, values) if kind == "train" else self._eval_line(step, values)
+    print(line, file=self._out or sys.stdout, flush=True)
+
+  def _train_line(self, step, m) -> str:
+    tps = float(m["tokens_per_sec"])
+    eta = (self.total_steps - step) * self.tokens_per_step / max(tps, 1e-9)
+    skipped = int(m["nonfinite_total"]) if "nonfinite_total" in m else 0
+    return (f"step {step}/{self.total_steps} loss {float(m['loss']):.4f} "
+            f"heads [{_fmt_heads(m['head_loss'])}] acc1 {float(m['head_acc'][0]):.3f} "
+            f"{tps:,.0f} tok/s ETA {eta:,.0f}s" + (f" skipped {skipped}" if skipped else ""))
+
+  @staticmethod
+  def _eval_line(step, m) -> str:
+    return (f"eval step {step}: loss [{_fmt_heads(m['head_loss'])}] acc "
+            f"[{_fmt_heads(m['head_acc'])}] agree [{_fmt_heads(m['head_agree'])}]")
+
+  def close(self):
+    self._jsonl.close()
+    self._tb.close()

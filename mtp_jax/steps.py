@@ -1,0 +1,146 @@
+"""The train state and the pure, jittable steps the loop in train.py drives:
+
+    state = init_state(model, tx, config, mesh, rng)
+    state, metrics = jax.jit(make_train_step(model, tx, config))(state, batch)
+
+plus the shardings and abstract shapes a restore fills in, and the hashes that make exact resume
+checkable (`params_sha256` in a workdir's summary.json).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from mtp_jax import loss as loss_lib
+from mtp_jax import optimizer as optim_lib
+from mtp_jax import sharding as shard_lib
+from mtp_jax.model import MTPModel
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def _dummy_tokens(config):
+  return jnp.zeros((1, min(8, config.data.seq_len)), jnp.int32)
+
+
+def _boxed_state(model: MTPModel, tx, config, rng) -> TrainState:
+  """Train state whose leaves keep their logical-partitioning boxes (for shardings)."""
+  params = model.init(rng, _dummy_tokens(config))["params"]
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def state_shardings(model, tx, config, mesh):
+  boxed = jax.eval_shape(lambda r: _boxed_state(model, tx, config, r), jax.random.PRNGKey(0))
+  return shard_lib.logical_shardings(boxed, mesh, config)
+
+
+def abstract_state(model, tx, config, mesh) -> TrainState:
+  """ShapeDtypeStructs (with shardings) of the unboxed train state: what restore fills in."""
+  shapes = jax.eval_shape(
+      lambda r: nn.unbox(_boxed_state(model, tx, config, r)), jax.random.PRNGKey(0))
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, state_shardings(model, tx, config, mesh))
+
+
+def init_state(model, tx, config, mesh, rng) -> TrainState:
+  init = jax.jit(lambda r: nn.unbox(_boxed_state(model, tx, config, r)),
+                 out_shardings=state_shardings(model, tx, config, mesh))
+  return init(rng)
+
+
+def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
+  """Pure (params, batch) -> (grads, metrics) of the weighted per-head loss (loss.py).
+
+  With `train.grad_accum = A` the batch is scanned as A micro-batches. Each one adds its per-head
+  sums (NLL, lse^2, correct, agreeing, tokens) and the gradient of sum_i lambda_i * sums_i /
+  count_i, where count_i is head i's token count in the whole batch (it depends on the batch
+  alone, not on the params). So grads and metrics equal A = 1 up to summation order, however
+  unevenly padding or packed documents spread the tokens over the micro-batches; averaging
+  per-micro-batch means would not.
+  """
+  accum = config.train.grad_accum
+  weights_N = loss_lib.head_weights(config)
+  z_loss = config.loss.z_loss
+
+  def objective(params, batch, count_N):
+    sums = loss_lib.model_sums(params, model, config, batch)
+    return loss_lib.weighted_loss(sums, weights_N, z_loss, count_N), sums
+
+  grads_and_sums = jax.grad(objective, has_aux=True)
+
+  def grad_fn(params, batch):
+    if accum == 1:
+      grads, sums = grads_and_sums(params, batch, None)
+    else:
+      count_N = loss_lib.head_token_counts(batch["tokens"], batch.get("segment_ids"),
+                                           len(weights_N))
+      micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+
+      def body(carry, mb):
+        return jax.tree.map(jnp.add, carry, grads_and_sums(params, mb, count_N)), None
+
+      zeros = jax.eval_shape(grads_and_sums, params, jax.tree.map(lambda x: x[0], micro), count_N)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+      (grads, sums), _ = jax.lax.scan(body, zeros, micro)
+    return grads, loss_lib.summarise(sums, weights_N, z_loss)[1]
+
+  return grad_fn
+
+
+def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
+  """Pure (state, batch) -> (state, metrics): gradients (`make_grad_fn`), the optax update, and
+  the non-finite-step counts of `optax.apply_if_finite`."""
+  grad_fn = make_grad_fn(model, config)
+  nan_steps = jnp.asarray(list(config.train.debug_nonfinite_steps) or [-1], jnp.int32)
+
+  def train_step(state: TrainState, batch):
+    grads, metrics = grad_fn(state.params, batch)
+    # Fault injection for the reliability tests: config.train.debug_nonfinite_steps.
+    poison = jnp.any(nan_steps == state.step)
+    grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    consecutive, total = optim_lib.nonfinite_counts(opt_state)
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads),
+                   nonfinite_consecutive=consecutive, nonfinite_total=total)
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  return train_step
+
+
+def make_eval_step(model: MTPModel, config):
+  def eval_step(params, batch):
+    return loss_lib.model_loss(params, model, config, batch)[1]
+  return eval_step
+
+
+def params_sha256(params) -> str:
+  """sha256 over every parameter's path and bytes, in a fixed (sorted-path) order."""
+  h = hashlib.sha256()
+  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
+  for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+    h.update(jax.tree_util.keystr(path).encode())
+    h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+  return h.hexdigest()
+
+
+def batches_sha256(batches) -> str:
+  h = hashlib.sha256()
+  for b in batches:
+    for k in sorted(b):
+      h.update(np.ascontiguousarray(b[k]).tobytes())
+  return h.hexdigest()

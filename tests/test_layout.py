@@ -1,0 +1,137 @@
+"""The layout the code promises (docs/STYLE.md): no import cycle inside mtp_jax, counting imports
+inside functions too (a local import only defers a cycle), and no module over 400 lines. Read
+from the source with `ast`; nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_LINES = 400
+# A cycle being removed elsewhere (data/builders imports data/tasks inside functions, tasks
+# imports builders at the top); drop this once the task registry no longer needs it.
+KNOWN_CYCLE_PAIRS = {frozenset({"mtp_jax.data.builders", "mtp_jax.data.tasks"})}
+
+
+def module_names(root: str, package: str) -> dict[str, str]:
+  """Dotted module name -> file, for every .py file under root/package."""
+  out = {}
+  for dirpath, _, files in os.walk(os.path.join(root, package)):
+    for name in files:
+      if name.endswith(".py"):
+        rel = os.path.relpath(os.path.join(dirpath, name), root)[:-3].split(os.sep)
+        if rel[-1] == "__init__":
+          rel = rel[:-1]
+        out[".".join(rel)] = os.path.join(dirpath, name)
+  return out
+
+
+def import_graph(root: str, package: str) -> dict[str, set[str]]:
+  """module -> the package's modules it imports, anywhere in the file (module level, functions,
+  `if __name__ == "__main__"`). `from pkg import name` counts pkg.name when that is a module."""
+  modules = module_names(root, package)
+  graph = {}
+  for mod, path in modules.items():
+    with open(path, encoding="utf-8") as f:
+      tree = ast.parse(f.read(), path)
+    is_pkg = path.endswith("__init__.py")
+    deps = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        deps.update(a.name for a in node.names)
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:  # relative: from the module's own package, up level - 1
+          parts = mod.split(".") if is_pkg else mod.split(".")[:-1]
+          parts = parts[:len(parts) - node.level + 1]
+          base = ".".join(parts + ([base] if base else []))
+        for a in node.names:
+          deps.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+    graph[mod] = {d for d in deps if d in modules and d != mod}
+  return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """One cycle (as a closed path a -> ... -> a) per strongly connected component with one."""
+  index, low, on_stack, stack, sccs = {}, {}, set(), [], []
+
+  def strongconnect(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        strongconnect(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      scc = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        scc.append(w)
+        if w == v:
+          break
+      if len(scc) > 1:
+        sccs.append(set(scc))
+
+  for v in sorted(graph):
+    if v not in index:
+      strongconnect(v)
+  cycles = []
+  for scc in sccs:  # a shortest path back to the start inside the component, breadth first
+    start = min(scc)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier and start not in [w for v in frontier for w in graph[v]]:
+      nxt = []
+      for v in frontier:
+        for w in sorted(graph[v] & scc):
+          if w not in paths:
+            paths[w] = paths[v] + [w]
+            nxt.append(w)
+      frontier = nxt
+    last = next(v for v in frontier if start in graph[v])
+    cycles.append(paths[last] + [start])
+  return cycles
+
+
+def _known(cycle: list[str]) -> bool:
+  return len(cycle) == 3 and frozenset(cycle[:2]) in KNOWN_CYCLE_PAIRS
+
+
+def test_no_import_cycles():
+  cycles = [c for c in find_cycles(import_graph(ROOT, "mtp_jax")) if not _known(c)]
+  assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_sees_function_local_and_relative_imports(tmp_path):
+  pkg = tmp_path / "pkg"
+  (pkg / "sub").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "sub" / "__init__.py").write_text("")
+  (pkg / "a.py").write_text("from pkg import b\n")
+  (pkg / "b.py").write_text("import os\n\ndef f():\n  from pkg.sub import c\n  return c\n")
+  (pkg / "sub" / "c.py").write_text("from .. import a\n")
+  (pkg / "d.py").write_text("from pkg.a import x\n")  # into the cycle, not part of it
+  graph = import_graph(str(tmp_path), "pkg")
+  assert graph["pkg.b"] == {"pkg.sub.c"} and graph["pkg.sub.c"] == {"pkg.a"}
+  assert find_cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
+  (pkg / "b.py").write_text("import os\n")
+  assert find_cycles(import_graph(str(tmp_path), "pkg")) == []
+
+
+def test_no_file_over_400_lines():
+  long = []
+  for folder in ("mtp_jax", "experiments", "tests"):
+    for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+      for name in sorted(files):
+        if name.endswith(".py"):
+          path = os.path.join(dirpath, name)
+          with open(path, encoding="utf-8") as f:
+            n = sum(1 for _ in f)
+          if n > MAX_LINES:
+            long.append(f"{os.path.relpath(path, ROOT)} ({n} lines)")
+  assert not long, f"over {MAX_LINES} lines: " + ", ".join(long)

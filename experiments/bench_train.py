@@ -19,6 +19,7 @@ import time
 import jax
 import numpy as np
 
+from mtp_jax import commandline
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
@@ -34,9 +35,8 @@ def setup(config_path, kind, n_future, overrides):
   c.model.heads.kind = kind
   c.model.n_future = n_future
   c.loss.head_weights = "deepseek" if kind == "sequential" else "uniform"
-  for key, value in overrides.items():
-    section, field = key.split(".", 1)
-    setattr(getattr(c, section), field, type(getattr(getattr(c, section), field))(value))
+  for key, value in overrides.items():  # parsed by the field's type: "False" is False
+    commandline.set_field(c, key, value)
   model = build_model(c)
   tx = optim_lib.make_optimizer(c)
   mesh = shard_lib.make_mesh(c)
@@ -62,7 +62,15 @@ def main():
   ap.add_argument("--warmup", type=int, default=1)
   ap.add_argument("--set", nargs="*", default=[], help="overrides like train.batch_size=8")
   args = ap.parse_args()
+  bad = [kv for kv in args.set if "=" not in kv]
+  if bad:
+    ap.error(f"--set: expected KEY=VALUE, got {bad[0]!r}")
   overrides = dict(kv.split("=", 1) for kv in args.set)
+  try:
+    for key, value in overrides.items():  # bad input fails here, before any compile
+      commandline.set_field(load_file(args.config), key, value)
+  except ValueError as e:
+    ap.error(f"--set: {e}")
   runs = {v: setup(args.config, *v, overrides) for v in VARIANTS}
   for _ in range(args.warmup):
     for r in runs.values():

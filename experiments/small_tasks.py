@@ -109,7 +109,7 @@ def run_grid(args) -> list[dict]:
     sweep = task_sweep(task, args)
     record = sweep_lib.run_sweep(sweep, os.path.join(args.root, task), parallel=args.parallel)
     trained += [(task, run, r["workdir"]) for run, r in zip(sweep.runs, record["runs"])
-                if r["status"] in ("done", "skipped")]
+                if sweep_lib.RunStatus(r["status"]).ok]
   records = []
   for task, run, workdir in trained:
     size, n, seed = (run.name[1:].split("_n")[0], run.overrides["model.n_future"],

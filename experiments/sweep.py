@@ -43,7 +43,8 @@ def main() -> int:
     return 2
   except KeyboardInterrupt:
     return 1
-  return int(any(r["status"] in ("failed", "interrupted") for r in record["runs"]))
+  bad = (sweep_lib.RunStatus.FAILED, sweep_lib.RunStatus.INTERRUPTED)
+  return int(any(sweep_lib.RunStatus(r["status"]) in bad for r in record["runs"]))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+# The values of mtp_jax.sweep.RunStatus.DONE and .SKIPPED (RunStatus.ok) as sweep.json and
+# results.csv hold them; this module reads those files and does not import the sweep runner.
 _STATUS_OK = ("done", "skipped")
 
 

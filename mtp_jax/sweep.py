@@ -11,26 +11,27 @@ A run is named from its overrides (`d_model=128,n_layers=4,n_future=4,seed=0`) u
 has a "name". `run_sweep` trains each run in ROOT/NAME (log in ROOT/NAME/train.log), `parallel`
 at a time, skips runs whose summary.json says they finished, resumes the others (the train CLI
 resumes from the workdir's checkpoint), reports a failed run and goes on, and writes
-ROOT/sweep.json (runs and status) and ROOT/results.csv. Results, fits and plots are in
-`mtp_jax.scaling` (re-exported here: `gather_results`, `fit_power_law`, `analyze`). Neither
-module imports jax or tfds: a rerun that skips everything costs no start-up.
+ROOT/sweep.json (runs and their `RunStatus`) and ROOT/results.csv. The processes are run by
+`mtp_jax.scheduler` (slots, CPU affinity, signals). Results, fits and plots are in
+`mtp_jax.scaling` (re-exported here: `gather_results`, `fit_power_law`, `analyze`). None of the
+three imports jax or tfds: a rerun that skips everything costs no start-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib.util
 import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from typing import Any, Callable
 
 from mtp_jax import scaling
+from mtp_jax import scheduler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the train CLI prints once data and checkpoint are ready (run.py): past this line a run no
@@ -143,9 +144,31 @@ def _same(saved: Any, wanted: Any) -> bool:
   return a == b
 
 
-def check_workdir(sweep: Sweep, run: Run, workdir: str) -> tuple[str, str]:
-  """(state, detail): "finished", "resume" (checkpoints there), "new", or "mismatch" (the
-  workdir's config.json disagrees with the run's overrides: resuming would mix two runs)."""
+class WorkdirState(enum.Enum):
+  """What a run's workdir holds before the sweep starts it."""
+  FINISHED = "finished"  # summary.json says every step ran: skipped
+  RESUME = "resume"  # checkpoints there: the train CLI resumes from the latest
+  NEW = "new"
+  MISMATCH = "mismatch"  # config.json disagrees with the run's overrides: resuming would mix two
+
+
+class RunStatus(enum.Enum):
+  """A run's status in sweep.json and results.csv (the values are what those files hold)."""
+  PENDING = "pending"
+  RUNNING = "running"
+  DONE = "done"  # trained to the last step by this invocation
+  SKIPPED = "skipped"  # finished by an earlier invocation
+  FAILED = "failed"
+  INTERRUPTED = "interrupted"
+
+  @property
+  def ok(self) -> bool:
+    """Finished, now or earlier: its summary.json holds final figures."""
+    return self in (RunStatus.DONE, RunStatus.SKIPPED)
+
+
+def check_workdir(sweep: Sweep, run: Run, workdir: str) -> tuple[WorkdirState, str]:
+  """(state, detail), detail being why a MISMATCH is one, or where a RESUME starts."""
   saved = scaling.read_json(os.path.join(workdir, "config.json"))
   if saved is not None:
     for key, wanted in sweep.overrides(run).items():
@@ -153,19 +176,38 @@ def check_workdir(sweep: Sweep, run: Run, workdir: str) -> tuple[str, str]:
       for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
       if value is not None and not _same(value, wanted):
-        return "mismatch", (f"{workdir} holds a run with {key}={flag_value(value)}, the sweep "
-                            f"asks for {flag_value(wanted)}: remove it or rename the run")
+        return WorkdirState.MISMATCH, (
+            f"{workdir} holds a run with {key}={flag_value(value)}, the sweep asks for "
+            f"{flag_value(wanted)}: remove it or rename the run")
   summary = scaling.read_json(os.path.join(workdir, "summary.json"))
   overrides = sweep.overrides(run)
   if summary and not summary.get("interrupted") and summary.get("step") == summary.get("steps"):
     wanted = overrides.get("train.steps")
     if wanted is None or int(wanted) == summary["steps"]:
-      return "finished", f"step {summary['step']}"
+      return WorkdirState.FINISHED, f"step {summary['step']}"
   ckpts = os.path.join(workdir, "checkpoints")
   steps = [int(n) for n in os.listdir(ckpts) if n.isdigit()] if os.path.isdir(ckpts) else []
   if steps:
-    return "resume", f"from step {max(steps)}"
-  return "new", ""
+    return WorkdirState.RESUME, f"from step {max(steps)}"
+  return WorkdirState.NEW, ""
+
+
+@dataclasses.dataclass
+class RunRecord:
+  """One run's entry in sweep.json."""
+  name: str
+  overrides: dict[str, Any]
+  workdir: str
+  command: list[str]
+  state: WorkdirState
+  detail: str
+  status: RunStatus
+  returncode: int | None = None
+  seconds: float | None = None
+  error: str | None = None
+
+  def to_json(self) -> dict:
+    return {**dataclasses.asdict(self), "state": self.state.value, "status": self.status.value}
 
 
 def _fmt_secs(s: float) -> str:
@@ -183,21 +225,6 @@ def _tail(path: str, lines: int = 12) -> str:
     return ""
 
 
-def _cpu_sets(parallel: int) -> list[set[int]]:
-  """The CPUs this process may use, split into `parallel` contiguous groups (shared round-robin
-  when there are fewer CPUs than runs)."""
-  cpus = sorted(os.sched_getaffinity(0))
-  if parallel >= len(cpus):
-    return [{cpus[i % len(cpus)]} for i in range(parallel)]
-  size, extra = divmod(len(cpus), parallel)
-  out, start = [], 0
-  for i in range(parallel):
-    end = start + size + (i < extra)
-    out.append(set(cpus[start:end]))
-    start = end
-  return out
-
-
 def _write_json(path: str, obj: Any):
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
@@ -205,15 +232,29 @@ def _write_json(path: str, obj: Any):
   os.replace(tmp, path)
 
 
+def plan(sweep: Sweep, root: str) -> list[RunRecord]:
+  """A record per run, from what its workdir under `root` holds: finished runs SKIPPED, a
+  mismatched workdir FAILED, the others PENDING."""
+  records = []
+  for run in sweep.runs:
+    workdir = os.path.join(root, run.name)
+    state, detail = check_workdir(sweep, run, workdir)
+    status = {WorkdirState.FINISHED: RunStatus.SKIPPED,
+              WorkdirState.MISMATCH: RunStatus.FAILED}.get(state, RunStatus.PENDING)
+    records.append(RunRecord(run.name, run.overrides, workdir, train_command(sweep, run, workdir),
+                             state, detail, status,
+                             error=detail if state == WorkdirState.MISMATCH else None))
+  return records
+
+
 def run_sweep(sweep: Sweep, root: str, parallel: int = 1, *, dry_run: bool = False,
               pin_cpus: bool = True, env: dict[str, str] | None = None,
               log: Callable[[str], None] = print) -> dict:
-  """Trains every run of `sweep` under `root`; returns the record written to root/sweep.json.
+  """Trains every run of `sweep` under `root`; returns the record written to root/sweep.json
+  (its runs as `RunRecord.to_json` dicts: statuses are `RunStatus` values).
 
-  parallel > 1 runs that many subprocesses at once. With `pin_cpus` (Linux), each concurrent
-  slot gets its own share of this process's CPUs by affinity (os.sched_setaffinity), and XLA:CPU
-  sizes its thread pool from the affinity mask, so P runs on C cores use C/P threads each
-  instead of P*C threads fighting. On an accelerator, keep parallel at 1 (each process would
+  parallel > 1 runs that many subprocesses at once, each pinned to its share of the CPUs with
+  `pin_cpus` (mtp_jax.scheduler). On an accelerator, keep parallel at 1 (each process would
   claim most of the device's memory). The first run starts alone until it has its data ready,
   so the dataset is built once, not by P processes at once. JAX_COMPILATION_CACHE_DIR defaults
   to root/.jax_cache, so a resumed run does not compile again.
@@ -221,133 +262,89 @@ def run_sweep(sweep: Sweep, root: str, parallel: int = 1, *, dry_run: bool = Fal
   if parallel < 1:
     raise ValueError(f"--parallel: must be >= 1, got {parallel}")
   root = os.path.abspath(root)
-  records = []
-  for run in sweep.runs:
-    workdir = os.path.join(root, run.name)
-    state, detail = check_workdir(sweep, run, workdir)
-    records.append({"name": run.name, "overrides": run.overrides, "workdir": workdir,
-                    "command": train_command(sweep, run, workdir), "state": state,
-                    "detail": detail,
-                    "status": {"finished": "skipped", "mismatch": "failed"}.get(state, "pending"),
-                    "returncode": None, "seconds": None,
-                    "error": detail if state == "mismatch" else None})
+  records = plan(sweep, root)
   n = len(records)
   if dry_run:
+    what = {WorkdirState.FINISHED: "skip (finished)", WorkdirState.RESUME: "resume",
+            WorkdirState.NEW: "train", WorkdirState.MISMATCH: "FAIL"}
     for i, r in enumerate(records):
-      what = {"finished": "skip (finished)", "resume": "resume", "new": "train",
-              "mismatch": "FAIL"}[r["state"]]
-      log(f"[{i + 1}/{n}] {r['name']}: {what} {r['detail']}".rstrip()
-          + f"\n    {' '.join(r['command'])}")
-    return {"sweep": sweep.path, "root": root, "runs": records}
+      log(f"[{i + 1}/{n}] {r.name}: {what[r.state]} {r.detail}".rstrip()
+          + f"\n    {' '.join(r.command)}")
+    return {"sweep": sweep.path, "root": root, "runs": [r.to_json() for r in records]}
 
   os.makedirs(root, exist_ok=True)
   env = dict(os.environ, **(env or {}))
   env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(root, ".jax_cache"))
-  pin = pin_cpus and parallel > 1 and hasattr(os, "sched_setaffinity")
-  free_slots = list(range(parallel))
-  cpu_sets = _cpu_sets(parallel) if pin else None
-  record = {"sweep": sweep.path, "base_config": sweep.base_config, "common": sweep.common,
-            "root": root, "parallel": parallel, "runs": records}
+  sched = scheduler.Scheduler(parallel, env=env, pin_cpus=pin_cpus, ready=_STARTED,
+                              label="sweep")
+  by_name = {r.name: r for r in records}
   t0, finished, trained_secs = time.time(), 0, []
-  queue = []
+
+  record = {"sweep": sweep.path, "base_config": sweep.base_config, "common": sweep.common,
+            "root": root, "parallel": parallel, "runs": []}
+
+  def save():
+    record["runs"] = [r.to_json() for r in records]
+    _write_json(os.path.join(root, "sweep.json"), record)
+
   for r in records:
-    if r["status"] == "pending":
-      queue.append(r)
-      continue
-    finished += 1
-    log(f"[{finished}/{n}] {r['name']}: " + ("skipped, finished earlier" if r["status"] ==
-                                            "skipped" else f"FAILED: {r['error']}"))
-  running: dict[str, tuple[subprocess.Popen, int, Any, float, int]] = {}
-  started = False  # has a run of this invocation got past its data set-up?
+    if r.status != RunStatus.PENDING:
+      finished += 1
+      log(f"[{finished}/{n}] {r.name}: " + ("skipped, finished earlier"
+                                            if r.status == RunStatus.SKIPPED
+                                            else f"FAILED: {r.error}"))
 
-  def launch(r):
-    slot = free_slots.pop(0)
-    os.makedirs(r["workdir"], exist_ok=True)
-    path = os.path.join(r["workdir"], "train.log")
-    logf = open(path, "a")
-    logf.write(f"=== sweep {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(r['command'])}\n")
-    logf.flush()
-    offset = logf.tell()
-    cpus = cpu_sets[slot] if pin else None
-    proc = subprocess.Popen(r["command"], stdout=logf, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus))
-                            if pin else None)
-    r["status"] = "running"
-    running[r["name"]] = (proc, slot, logf, time.time(), offset)
-    log(f"    {r['name']}: " + (f"resume {r['detail']}" if r["state"] == "resume" else "start")
-        + (f" on CPUs {sorted(cpus)}" if pin else ""))
+  def on_launch(job, cpus):
+    r = by_name[job.name]
+    r.status = RunStatus.RUNNING
+    log(f"    {r.name}: " + (f"resume {r.detail}" if r.state == WorkdirState.RESUME else "start")
+        + (f" on CPUs {cpus}" if cpus else ""))
 
-  def finish(name, rc):
+  def on_finish(job, rc, secs):
     nonlocal finished
-    proc, slot, logf, t_start, _ = running.pop(name)
-    logf.close()
-    free_slots.append(slot)
-    free_slots.sort()
-    r = next(r for r in records if r["name"] == name)
-    secs = time.time() - t_start
-    r["returncode"], r["seconds"] = rc, round(secs, 1)
-    summary = scaling.read_json(os.path.join(r["workdir"], "summary.json")) or {}
+    r = by_name[job.name]
+    r.returncode, r.seconds = rc, round(secs, 1)
+    summary = scaling.read_json(os.path.join(r.workdir, "summary.json")) or {}
     if rc == 0 and summary.get("step") == summary.get("steps") and not summary.get("interrupted"):
-      r["status"] = "done"
+      r.status = RunStatus.DONE
       trained_secs.append(secs)
     elif rc == 0:
-      r["status"], r["error"] = "interrupted", f"stopped at step {summary.get('step')}"
+      r.status, r.error = RunStatus.INTERRUPTED, f"stopped at step {summary.get('step')}"
     else:
-      r["status"] = "failed"
-      r["error"] = _tail(os.path.join(r["workdir"], "train.log"))
+      r.status, r.error = RunStatus.FAILED, _tail(job.log_path)
     finished += 1
-    elapsed = time.time() - t0
     left = n - finished
     eta = (f"ETA {_fmt_secs(sum(trained_secs) / len(trained_secs) * left / parallel)}"
            if trained_secs and left else "ETA ?" if left else "")
-    log(f"[{finished}/{n}] {name}: {r['status']} in {_fmt_secs(secs)} (exit {rc}) | elapsed "
-        f"{_fmt_secs(elapsed)} {eta}".rstrip())
-    if r["status"] == "failed":
-      log("    " + r["error"].replace("\n", "\n    "))
-    _write_json(os.path.join(root, "sweep.json"), record)
+    log(f"[{finished}/{n}] {r.name}: {r.status.value} in {_fmt_secs(secs)} (exit {rc}) | "
+        f"elapsed {_fmt_secs(time.time() - t0)} {eta}".rstrip())
+    if r.status == RunStatus.FAILED:
+      log("    " + r.error.replace("\n", "\n    "))
+    save()
 
-  def on_sigterm(*_):
-    raise KeyboardInterrupt
-  try:  # `kill` of the sweep stops its runs cleanly too, as Ctrl-C does
-    old_handler = signal.signal(signal.SIGTERM, on_sigterm)
-  except ValueError:  # not the main thread
-    old_handler = None
+  def on_interrupt(running):
+    log(f"interrupted: stopping {running} run(s); each saves a checkpoint, rerun to resume")
+
+  jobs = [scheduler.Job(r.name, r.command, os.path.join(r.workdir, "train.log"))
+          for r in records if r.status == RunStatus.PENDING]
+  save()
   try:
-    _write_json(os.path.join(root, "sweep.json"), record)
-    while queue or running:
-      while queue and free_slots and (started or not running):
-        launch(queue.pop(0))
-      time.sleep(0.2)
-      for name in list(running):
-        proc, _, logf, _, offset = running[name]
-        if not started:
-          with open(logf.name, errors="replace") as f:
-            f.seek(offset)
-            started = bool(_STARTED.search(f.read()))
-        rc = proc.poll()
-        if rc is not None:
-          finish(name, rc)
+    sched.run(jobs, on_launch=on_launch, on_finish=on_finish, on_interrupt=on_interrupt)
   except KeyboardInterrupt:
-    log(f"interrupted: stopping {len(running)} run(s); each saves a checkpoint, rerun to resume")
-    for proc, *_ in running.values():
-      proc.terminate()  # SIGTERM: the train loop saves at the next step boundary
-    for name in list(running):
-      finish(name, running[name][0].wait())
-    for r in queue:
-      r["status"] = "interrupted"
-    _write_json(os.path.join(root, "sweep.json"), record)
+    for r in records:
+      if r.status == RunStatus.PENDING:
+        r.status = RunStatus.INTERRUPTED
+    save()
     scaling.gather_results(root)
     raise
-  finally:
-    if old_handler is not None:
-      signal.signal(signal.SIGTERM, old_handler)
-  counts = {s: sum(r["status"] == s for r in records) for s in ("done", "skipped", "failed",
-                                                                 "interrupted")}
   record["seconds"] = round(time.time() - t0, 1)
-  _write_json(os.path.join(root, "sweep.json"), record)
+  save()
   scaling.gather_results(root)
-  log(f"sweep: {counts['done']} trained, {counts['skipped']} skipped, {counts['failed']} failed"
-      + (f", {counts['interrupted']} interrupted" if counts["interrupted"] else "")
+  counts = {s: sum(r.status == s for r in records) for s in RunStatus}
+  log(f"sweep: {counts[RunStatus.DONE]} trained, {counts[RunStatus.SKIPPED]} skipped, "
+      f"{counts[RunStatus.FAILED]} failed"
+      + (f", {counts[RunStatus.INTERRUPTED]} interrupted" if counts[RunStatus.INTERRUPTED]
+         else "")
       + f" in {_fmt_secs(record['seconds'])}; {os.path.join(root, 'results.csv')}")
   return record
 

@@ -18,13 +18,14 @@ when, and only when, every argmax after the true prompt and the true answer pref
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
 
 import numpy as np
+from absl import flags
 
+from mtp_jax import commandline
 from mtp_jax.data import builders
 from mtp_jax.data import tasks
 from mtp_jax.data import tokenizers
@@ -128,14 +129,19 @@ def evaluate_workdir(workdir: str, *, splits=None, batch_size: int = 64,
   return out
 
 
+def _define(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "a training workdir of a task config", flag_values=fv)
+  flags.DEFINE_integer("limit", None, "examples per split (default: all)", lower_bound=1,
+                       flag_values=fv)
+  flags.DEFINE_integer("batch_size", 64, "examples per forward", lower_bound=1, flag_values=fv)
+
+
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--workdir", required=True, help="a training workdir of a task config")
-  ap.add_argument("--limit", type=int, default=None, help="examples per split (default: all)")
-  ap.add_argument("--batch_size", type=int, default=64)
-  args = ap.parse_args(argv)
+  """`argv` without the program name (default sys.argv[1:]); returns the exit status."""
   try:
-    result = evaluate_workdir(args.workdir, batch_size=args.batch_size, limit=args.limit)
+    fv = commandline.parse(argv, _define, prog="python -m mtp_jax.tasks_eval",
+                           usage="\n\n".join(__doc__.split("\n\n")[:2]), required=("workdir",))
+    result = evaluate_workdir(fv.workdir, batch_size=fv.batch_size, limit=fv.limit)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -24,6 +25,19 @@ import pytest  # noqa: E402
 
 from mtp_jax import config as config_lib  # noqa: E402
 from mtp_jax.model import build_model, init_params  # noqa: E402
+
+
+def require(module_name: str):
+  """The module, as pytest.importorskip: a test needing an optional extra (torch, transformers,
+  nbclient) is skipped where it is not installed, except under CI (the CI environment variable
+  set and not empty), where a missing extra fails the test instead of skipping it silently."""
+  if os.environ.get("CI"):
+    try:
+      return importlib.import_module(module_name)
+    except ImportError as e:
+      pytest.fail(f"CI is set and {module_name} does not import ({e}); install the test extra "
+                  "(pip install -e '.[test]')", pytrace=False)
+  return pytest.importorskip(module_name)
 
 
 def tiny_config(kind: str = "parallel", n_future: int = 2):

@@ -72,8 +72,22 @@ def make_batch(seed=0):
   return {"tokens": tokens, "segment_ids": seg}
 
 
+def check_same_structure(a_tree, b_tree, what: str) -> None:
+  """Leaves are compared pairwise by zip, which would silently drop a leaf missing on one side:
+  the two trees must have one structure first."""
+  a_def, b_def = jax.tree.structure(a_tree), jax.tree.structure(b_tree)
+  if a_def != b_def:
+    a_paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(a_tree)[0]}
+    b_paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(b_tree)[0]}
+    raise AssertionError(f"{what}: the trees differ in structure; only in the first: "
+                         f"{sorted(a_paths - b_paths)[:5]}, only in the second: "
+                         f"{sorted(b_paths - a_paths)[:5]} ({a_def} != {b_def})")
+
+
 def compare(a_tree, b_tree) -> dict:
-  """Worst |a - b| / (ATOL + RTOL |b|) over all leaves (<= 1 passes allclose), and where."""
+  """Worst |a - b| / (ATOL + RTOL |b|) over all leaves (<= 1 passes allclose), and where; the
+  trees must have one structure."""
+  check_same_structure(a_tree, b_tree, "compare")
   worst, where, max_abs, max_ref = 0.0, "", 0.0, 0.0
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(a_tree)[0],
                           jax.tree.leaves(b_tree)):
@@ -190,6 +204,8 @@ def check_bytes_and_checkpoint(results, workdir):
     abstract = train_lib.abstract_state(model, tx, c, m)
     with Checkpointer(ckpt_dir) as ck:
       restored, step = ck.restore_latest(abstract)
+    check_same_structure(saved, jax.device_get(restored), "restored state")
+    check_same_structure(restored, abstract, "restored state against its target")
     same_values = all(np.array_equal(a, b) for a, b in zip(
         jax.tree.leaves(saved), jax.tree.leaves(jax.device_get(restored))))
     same_sharding = all(r.sharding.is_equivalent_to(a.sharding, r.ndim) for r, a in zip(

@@ -11,9 +11,10 @@ import os
 
 import numpy as np
 import pytest
+from conftest import require
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("safetensors")
+torch = require("torch")
+require("safetensors")
 import sentencepiece as spm  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
@@ -148,7 +149,7 @@ def _save_meta(folder, sd, shards=1, params=None):
   for r in range(shards):
     part = {}
     for key, t in sd.items():
-      dim = convert._META_SPLIT.get(key.rsplit(".", 2)[-2])  # pylint: disable=protected-access
+      dim = convert.META_SPLIT.get(key.rsplit(".", 2)[-2])
       part[key] = t if dim is None or shards == 1 else t.chunk(shards, dim)[r].clone()
     torch.save(part, os.path.join(folder, f"consolidated.{r:02d}.pth"))
   return str(folder)
@@ -268,7 +269,7 @@ def test_deepseek_logits_match_reference(deepseek, tokens_BxS):
 
 
 def _hf_logits(folder, tokens_BxS):
-  transformers = pytest.importorskip("transformers")
+  transformers = require("transformers")
   model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
   model.eval()
   with torch.no_grad():

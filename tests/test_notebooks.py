@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 import re
 
-import pytest
+from conftest import require
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+nbformat = require("nbformat")
+nbclient = require("nbclient")
 
 COLAB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "colab")
 

@@ -106,24 +106,37 @@ def test_failed_run_reported_others_finish(micro):
 
 
 def test_rerun_skips_finished_runs(micro, corpus):
+  """Nothing is retrained: no process is launched (no returncode, no log line), and no file of
+  a workdir is touched."""
   root = micro["root"]
 
   def snapshot():
     out = {}
     for r in good_rows(micro):
       wd = root / r["name"]
-      out[r["name"]] = [os.path.getsize(wd / f) for f in ("train.log", "metrics.jsonl")] + [
-          sorted(os.listdir(wd / "checkpoints"))]
+      out[r["name"]] = [(f, os.stat(wd / f).st_size, os.stat(wd / f).st_mtime_ns) for f in (
+          "train.log", "metrics.jsonl", "summary.json", "config.json")] + [
+              sorted(os.listdir(wd / "checkpoints"))]
     return out
   before = snapshot()
-  t = time.time()
   p = subprocess.run(sweep_cmd(MICRO, root, corpus, "--parallel", "2"), env=corpus["env"],
                      capture_output=True, text=True, timeout=120)
   assert p.returncode == 0, p.stdout + p.stderr
-  assert time.time() - t < 15  # no training, not even a jax import
   assert p.stdout.count("skipped, finished earlier") == 4
   assert "0 trained, 4 skipped, 0 failed" in p.stdout
+  record = json.loads((root / "sweep.json").read_text())
+  assert [(r["status"], r["state"], r["returncode"]) for r in record["runs"]] == [
+      ("skipped", "finished", None)] * 4
   assert snapshot() == before
+
+
+def test_sweep_modules_import_no_jax():
+  """A rerun that skips everything costs no jax start-up."""
+  code = ("import sys, mtp_jax.sweep, mtp_jax.scheduler, mtp_jax.scaling; "
+          "print(sorted(m for m in ('jax', 'tensorflow_datasets') if m in sys.modules))")
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                     env=dict(os.environ, PYTHONPATH=ROOT))
+  assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
 
 
 def test_mismatched_workdir_is_not_resumed(micro):
@@ -131,10 +144,13 @@ def test_mismatched_workdir_is_not_resumed(micro):
   sweep = sweep_lib.load_sweep(MICRO)
   run = sweep.runs[0]
   wd = str(micro["root"] / run.name)
-  assert sweep_lib.check_workdir(sweep, run, wd)[0] in ("finished", "resume")
+  assert sweep_lib.check_workdir(sweep, run, wd)[0] == sweep_lib.WorkdirState.FINISHED
   changed = sweep_lib.Run(run.name, {**run.overrides, "model.d_model": 64})
   state, detail = sweep_lib.check_workdir(sweep, changed, wd)
-  assert state == "mismatch" and "model.d_model=32" in detail
+  assert state == sweep_lib.WorkdirState.MISMATCH and "model.d_model=32" in detail
+  record = sweep_lib.plan(sweep_lib.Sweep(sweep.path, sweep.base_config, sweep.common,
+                                          [changed]), str(micro["root"]))[0]
+  assert record.status == sweep_lib.RunStatus.FAILED and record.error == detail
 
 
 def test_load_sweep_names_and_errors(tmp_path):
@@ -215,3 +231,51 @@ def test_analyze_cli_writes_png_and_gain_table(micro, tmp_path):
     assert e["gain_n2"] == pytest.approx(e["loss_n2"] - e["loss_n1"])
   with open(micro["root"] / "mtp_gain.csv", newline="") as f:
     assert len(list(csv.DictReader(f))) == 2
+
+
+def test_scheduler_gates_pins_and_forwards_sigterm(tmp_path):
+  """The first job runs alone until its log says ready; each slot gets its own CPUs; SIGTERM to
+  the scheduler reaches the running jobs, which are reported, and the rest never start."""
+  import re
+  import signal
+  import threading
+  from mtp_jax import scheduler
+  cpus = len(os.sched_getaffinity(0))
+  script = ("import os, sys, time; time.sleep(float(sys.argv[1])); "
+            "print('ready', sorted(os.sched_getaffinity(0)), flush=True); "
+            "time.sleep(float(sys.argv[2]))")
+  jobs = [scheduler.Job(name, [sys.executable, "-c", script, wait, run],
+                        str(tmp_path / name / "log"))
+          for name, wait, run in (("a", "0.8", "1.5"), ("b", "0", "0"), ("c", "0", "60"),
+                                  ("d", "0", "60"), ("e", "0", "0"))]
+  events = []
+  sched = scheduler.Scheduler(2, ready=re.compile("^ready", re.M), label="test")
+  sched.run(jobs[:2],
+            on_launch=lambda j, c: events.append(("launch", j.name, c, time.time())),
+            on_finish=lambda j, rc, s: events.append(("finish", j.name, rc, time.time())),
+            poll_seconds=0.05)
+  # b waits for a's "ready" line (>= 0.8 s after a starts), not for a to end.
+  assert [e[:2] for e in events[:2]] == [("launch", "a"), ("launch", "b")]
+  assert events[1][3] - events[0][3] >= 0.8
+  assert sorted(e[1:3] for e in events if e[0] == "finish") == [("a", 0), ("b", 0)]
+  log_a = (tmp_path / "a" / "log").read_text()
+  assert log_a.startswith("=== test ") and "ready" in log_a
+  if cpus >= 2:  # two slots, disjoint CPU sets
+    sets = [e[2] for e in events if e[0] == "launch"]
+    assert not set(sets[0]) & set(sets[1])
+    assert str(sets[1]) in (tmp_path / "b" / "log").read_text()
+
+  events.clear()
+  timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
+  timer.start()
+  with pytest.raises(KeyboardInterrupt):
+    scheduler.Scheduler(2, pin_cpus=False).run(
+        jobs[2:], on_finish=lambda j, rc, s: events.append((j.name, rc, s)),
+        on_interrupt=lambda n: events.append(("interrupt", n)), poll_seconds=0.05)
+  timer.join()
+  assert events[0] == ("interrupt", 2)
+  finished = sorted(events[1:])
+  assert [(name, rc) for name, rc, _ in finished] == [("c", -signal.SIGTERM),
+                                                      ("d", -signal.SIGTERM)]
+  assert all(secs < 30 for _, _, secs in finished)
+  assert not (tmp_path / "e").exists()  # never launched

@@ -14,10 +14,8 @@ Train a SentencePiece model from the train split of a corpus (built on first use
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
-import sys
 import time
 from typing import Iterator, Protocol
 
@@ -205,27 +203,36 @@ def _corpus_texts(data_config) -> Iterator[str]:
 
 
 def main(argv=None) -> None:
+  """`argv` without the program name (default sys.argv[1:]). Bad input raises ValueError (one
+  line; `python -m` prints it as `error: ...` and exits 2)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from mtp_jax import commandline  # pylint: disable=import-outside-toplevel
   from mtp_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   data = config_lib.base_config().data
-  parser = argparse.ArgumentParser(prog="python -m mtp_jax.data.tokenizers",
-                                   description=__doc__.split("\n")[0])
-  sub = parser.add_subparsers(dest="command", required=True)
-  t = sub.add_parser("train", help="train a SentencePiece model on a corpus's train split")
-  t.add_argument("--corpus", default=data.corpus, choices=config_lib.CORPORA)
-  t.add_argument("--data_dir", default=data.dir, help="where datasets are built (data.dir)")
-  t.add_argument("--folder", default=data.folder, help="text_folder corpus: root folder")
-  t.add_argument("--glob", default=data.glob, help="text_folder corpus: files to take")
-  t.add_argument("--val_percent", type=int, default=data.val_percent,
-                 help="must match data.val_percent so validation text stays unseen")
-  t.add_argument("--vocab_size", type=int, default=2048)
-  t.add_argument("--model_type", default="unigram", choices=("unigram", "bpe"))
-  t.add_argument("--out", required=True, help="model file to write, e.g. spm/code2k.model")
-  args = parser.parse_args(argv)
 
+  def define(fv):
+    flags.DEFINE_enum("corpus", data.corpus, config_lib.CORPORA, "corpus to train on",
+                      flag_values=fv)
+    flags.DEFINE_string("data_dir", data.dir, "where datasets are built (data.dir)",
+                        flag_values=fv)
+    flags.DEFINE_string("folder", data.folder, "text_folder corpus: root folder", flag_values=fv)
+    flags.DEFINE_string("glob", data.glob, "text_folder corpus: files to take", flag_values=fv)
+    flags.DEFINE_integer("val_percent", data.val_percent,
+                         "must match data.val_percent so validation text stays unseen",
+                         flag_values=fv)
+    flags.DEFINE_integer("vocab_size", 2048, "pieces in the model", flag_values=fv)
+    flags.DEFINE_enum("model_type", "unigram", ("unigram", "bpe"), "SentencePiece model type",
+                      flag_values=fv)
+    flags.DEFINE_string("out", None, "model file to write, e.g. spm/code2k.model", flag_values=fv)
+
+  commands = {"train": commandline.Command(
+      "train a SentencePiece model on a corpus's train split", define, ("out",))}
+  _, args = commandline.parse_command(argv, commands, prog="python -m mtp_jax.data.tokenizers",
+                                      usage="\n\n".join(__doc__.split("\n\n")[2:]))
   data.corpus, data.dir, data.folder = args.corpus, args.data_dir, args.folder
   data.glob, data.val_percent = args.glob, args.val_percent
   if data.corpus == "text_folder" and not data.folder:
-    parser.error("--folder is required with --corpus text_folder")
+    raise ValueError("--folder: required with --corpus text_folder")
   start = time.time()
   path = train_sentencepiece(_corpus_texts(data), args.out, args.vocab_size,
                              model_type=args.model_type)
@@ -236,7 +243,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-  try:
-    main(sys.argv[1:])
-  except ValueError as e:  # a bad argument: one line, not a traceback
-    sys.exit(f"error: {e}")
+  from mtp_jax import commandline as _commandline  # pylint: disable=import-outside-toplevel
+  _commandline.run(main)

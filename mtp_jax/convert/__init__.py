@@ -1,0 +1,29 @@
+"""Checkpoint interop: import Meta's multi-token-prediction weights and DeepSeek-V3-style MTP
+layers on a dense Llama, export trunk + head 1 (the next-token model) as a Hugging Face Llama.
+
+  python -m mtp_jax.convert meta --ckpt DIR --out WORKDIR [--tokenizer PATH]
+  python -m mtp_jax.convert deepseek --ckpt DIR --out WORKDIR [--tokenizer PATH]
+  python -m mtp_jax.convert to-hf --workdir WORKDIR --out DIR
+
+An imported WORKDIR is what `python -m mtp_jax.generate --workdir WORKDIR` reads: config.json and
+a params-only orbax checkpoint at step 0. The package in three parts:
+
+  readers   foreign checkpoints, memory-mapped: Meta's *.pth shards (MetaShards), safetensors
+  layouts   `Entry` tables (foreign tensor -> our parameter and slot), their checks and filling
+  workdir   import_meta, import_deepseek, export_hf and the workdir they write
+  command   the command line (`main`)
+"""
+
+from mtp_jax.convert.command import main
+from mtp_jax.convert.layouts import (BLOCK, Entry, block_entries, check_tensors,
+                                     deepseek_entries, llama_entries, meta_entries, param_shapes,
+                                     read_params, to_ours, to_torch, torch_shape)
+from mtp_jax.convert.readers import META_SPLIT, MetaShards, Safetensors
+from mtp_jax.convert.workdir import (check_out, export_hf, import_deepseek, import_meta,
+                                     prepare_config, write_workdir)
+
+__all__ = ["BLOCK", "META_SPLIT", "Entry", "MetaShards", "Safetensors", "block_entries",
+           "check_out", "check_tensors", "deepseek_entries", "export_hf", "import_deepseek",
+           "import_meta", "llama_entries", "main", "meta_entries", "param_shapes",
+           "prepare_config", "read_params", "to_ours", "to_torch", "torch_shape",
+           "write_workdir"]

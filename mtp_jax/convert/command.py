@@ -1,0 +1,66 @@
+"""`python -m mtp_jax.convert COMMAND --flag ...`: the command line of the imports and the export
+(absl flags through mtp_jax.commandline; bad input is one `error: ...` line and exit status 2)."""
+
+from __future__ import annotations
+
+import sys
+
+from absl import flags, logging
+
+from mtp_jax import commandline
+from mtp_jax import config as config_lib
+from mtp_jax.convert import workdir
+
+USAGE = """usage:
+  python -m mtp_jax.convert meta --ckpt DIR --out WORKDIR [--tokenizer PATH]
+  python -m mtp_jax.convert deepseek --ckpt DIR --out WORKDIR [--tokenizer PATH]
+  python -m mtp_jax.convert to-hf --workdir WORKDIR --out DIR"""
+
+
+def _define_import(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("ckpt", None, "checkpoint folder", flag_values=fv)
+  flags.DEFINE_string("out", None, "workdir to write", flag_values=fv)
+  flags.DEFINE_string("tokenizer", "", "SentencePiece model (default: tokenizer.model in --ckpt)",
+                      flag_values=fv)
+  flags.DEFINE_integer("max_len", 0, "longest sequence for generate (default: from the "
+                       "checkpoint's config)", lower_bound=0, flag_values=fv)
+  flags.DEFINE_enum("dtype", "float32", config_lib.DTYPES,
+                    "stored parameter dtype (restored as float32)", flag_values=fv)
+
+
+def _define_export(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "a training or imported workdir", flag_values=fv)
+  flags.DEFINE_string("out", None, "folder for the Hugging Face files", flag_values=fv)
+
+
+COMMANDS = {
+    "meta": commandline.Command(
+        "import facebook/multi-token-prediction (params.json, *.pth) into a workdir",
+        _define_import, ("ckpt", "out")),
+    "deepseek": commandline.Command(
+        "import dense Llama + DeepSeek-V3 MTP layers, HF safetensors, into a workdir",
+        _define_import, ("ckpt", "out")),
+    "to-hf": commandline.Command("export trunk + head 1 as a HF LlamaForCausalLM",
+                                 _define_export, ("workdir", "out")),
+}
+
+
+def main(argv=None) -> int:
+  """`argv` without the program name (default sys.argv[1:]); returns the exit status."""
+  try:
+    command, fv = commandline.parse_command(argv, COMMANDS, prog="python -m mtp_jax.convert",
+                                            usage=USAGE)
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    if command == "to-hf":
+      hf = workdir.export_hf(fv.workdir, fv.out)
+      print(f"wrote {fv.out}: LlamaForCausalLM, {hf['num_hidden_layers']} layers")
+      return 0
+    fn = workdir.import_meta if command == "meta" else workdir.import_deepseek
+    c = fn(fv.ckpt, fv.out, tokenizer=fv.tokenizer, max_len=fv.max_len, dtype=fv.dtype)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"wrote {fv.out}: {c.model.heads.kind} heads, n_future {c.model.n_future}, "
+        f"{c.model.n_layers} layers; try python -m mtp_jax.generate --workdir {fv.out} "
+        "--mode both --prompt ...")
+  return 0

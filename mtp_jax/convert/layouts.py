@@ -1,0 +1,160 @@
+"""Layouts: where each tensor of a foreign checkpoint goes in our params (Meta's
+multi-token-prediction release, Hugging Face Llama, DeepSeek-V3's MTP modules on a dense Llama).
+
+Each layout is a table of `Entry` rows (foreign tensor -> our parameter and its slot on a stacked
+axis), so a missing, unexpected or misshapen tensor is one error naming it (`check_tensors`),
+raised before anything is written, and `read_params` fills preallocated stacked arrays one tensor
+at a time: peak memory is about the converted model.
+
+Torch and HF Linear weights are [out, in]; our kernels are [in..., out...], so kernel = W.T
+reshaped. Meta's RoPE rotates interleaved pairs (x_2i, x_2i+1) (complex multiply); ours and HF's
+rotate halves (x_i, x_i+E/2), so Meta's wq/wk rows are permuted within each head, row 2i + p ->
+p * E/2 + i (as HF's convert_llama_weights_to_hf): q.k, hence attention, is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import ml_collections
+import numpy as np
+from flax import traverse_util
+
+from mtp_jax.config import ModelArgs
+from mtp_jax.model import build_model, init_params
+
+# (our path inside a Block, Meta name, HF Llama name, leading input axes of our kernel; 0: a
+# norm scale, copied as is).
+BLOCK = (
+    (("attention", "wq", "kernel"), "attention.wq", "self_attn.q_proj", 1),
+    (("attention", "wk", "kernel"), "attention.wk", "self_attn.k_proj", 1),
+    (("attention", "wv", "kernel"), "attention.wv", "self_attn.v_proj", 1),
+    (("attention", "wo", "kernel"), "attention.wo", "self_attn.o_proj", 2),
+    (("feed_forward", "w1", "kernel"), "feed_forward.w1", "mlp.gate_proj", 1),
+    (("feed_forward", "w3", "kernel"), "feed_forward.w3", "mlp.up_proj", 1),
+    (("feed_forward", "w2", "kernel"), "feed_forward.w2", "mlp.down_proj", 1),
+    (("attention_norm", "scale"), "attention_norm", "input_layernorm", 0),
+    (("ffn_norm", "scale"), "ffn_norm", "post_attention_layernorm", 0),
+)
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One foreign tensor and where it goes."""
+  src: str  # its name in the foreign checkpoint
+  dst: tuple[str, ...]  # our parameter's path
+  index: int | None = None  # slot on the parameter's stacked (layers / heads) axis
+  n_in: int = 0  # leading axes of our kernel that are torch's input; 0: copied as is
+  rope_heads: int = 0  # Meta wq/wk: heads whose rows go from interleaved to rotate-half
+
+
+def torch_shape(e: Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The foreign tensor's shape, given our (per-slot) shape."""
+  if not e.n_in:
+    return tuple(shape)
+  return (math.prod(shape[e.n_in:]), math.prod(shape[:e.n_in]))
+
+
+def to_ours(w: np.ndarray, e: Entry, shape: tuple[int, ...]) -> np.ndarray:
+  if e.rope_heads:
+    w = w.reshape(e.rope_heads, -1, 2, w.shape[-1]).transpose(0, 2, 1, 3).reshape(w.shape)
+  return w.T.reshape(shape) if e.n_in else w
+
+
+def to_torch(x: np.ndarray, e: Entry) -> np.ndarray:
+  """Inverse of `to_ours` for rotate-half layouts (HF)."""
+  if e.n_in:
+    x = x.reshape(math.prod(x.shape[:e.n_in]), -1).T
+  return np.ascontiguousarray(x)
+
+
+def block_entries(prefix: str, dst: tuple[str, ...], index: int | None, a: ModelArgs, *,
+                  meta: bool) -> list[Entry]:
+  rope = {"wq": a.n_heads, "wk": a.n_kv_heads} if meta else {}
+  return [Entry(f"{prefix}{m if meta else h}.weight", dst + ours, index, n_in,
+                rope.get(ours[1], 0)) for ours, m, h, n_in in BLOCK]
+
+
+def meta_entries(a: ModelArgs) -> list[Entry]:
+  """facebook/multi-token-prediction: `layers` = trunk + head 1, `extra_heads` = heads 2..n."""
+  out = [Entry("tok_embeddings.weight", ("embed", "embedding")), Entry("norm.weight", ("norm",)),
+         Entry("output.weight", ("unembed",), n_in=1)]
+  for i in range(a.n_trunk):
+    out += block_entries(f"layers.{i}.", ("trunk", "layers"), i, a, meta=True)
+  out += block_entries(f"layers.{a.n_trunk}.", ("heads", "blocks"), 0, a, meta=True)
+  for j in range(a.n_future - 1):
+    out += block_entries(f"extra_heads.{j}.", ("heads", "blocks"), j + 1, a, meta=True)
+  return out
+
+
+def llama_entries(a: ModelArgs) -> list[Entry]:
+  """HF LlamaForCausalLM of trunk + head 1: parallel heads add head 1's block; projection and
+  sequential heads' head 1 is the trunk itself."""
+  out = [Entry("model.embed_tokens.weight", ("embed", "embedding")),
+         Entry("model.norm.weight", ("norm",))]
+  if not a.tie_embeddings:
+    out.append(Entry("lm_head.weight", ("unembed",), n_in=1))
+  for i in range(a.n_trunk):
+    dst, index = (("trunk", "layers"), i) if a.scan_layers else (("trunk", f"layers_{i}"), None)
+    out += block_entries(f"model.layers.{i}.", dst, index, a, meta=False)
+  if a.head_kind == "parallel":
+    out += block_entries(f"model.layers.{a.n_trunk}.", ("heads", "blocks"), 0, a, meta=False)
+  return out
+
+
+def deepseek_entries(a: ModelArgs) -> list[Entry]:
+  """Main model as HF Llama, MTP module k at model.layers.{n_layers + k}."""
+  out = llama_entries(a)
+  depths = ("heads", "depths")
+  for k in range(a.n_future - 1):
+    p = f"model.layers.{a.n_trunk + k}."
+    out += block_entries(p, depths + ("block",), k, a, meta=False)
+    out += [Entry(p + "enorm.weight", depths + ("enorm", "scale"), k),
+            Entry(p + "hnorm.weight", depths + ("hnorm", "scale"), k),
+            Entry(p + "eh_proj.weight", depths + ("eh_proj", "kernel"), k, n_in=1),
+            Entry(p + "shared_head.norm.weight", depths + ("shared_head_norm", "scale"), k)]
+  return out
+
+
+def check_tensors(source, entries: list[Entry], shapes: dict, ckpt: str, layout: str,
+                  optional=()) -> None:
+  """Every tensor the layout names is there with its shape, and nothing else is."""
+  want = {e.src: e for e in entries}
+  have = set(source.keys())
+  for e in entries:
+    s = shapes[e.dst].shape[0 if e.index is None else 1:]
+    expected = torch_shape(e, s)
+    if e.src not in have:
+      raise ValueError(f"--ckpt: {ckpt} has no tensor {e.src!r} (expected shape {expected} for "
+                       f"the {layout} layout of its config)")
+    if source.shape(e.src) != expected:
+      raise ValueError(f"--ckpt: tensor {e.src!r} has shape {source.shape(e.src)}, expected "
+                       f"{expected} from the config")
+  extra = sorted(k for k in have - set(want) if k not in optional)
+  if extra:
+    raise ValueError(f"--ckpt: unexpected tensor {extra[0]!r} (shape {source.shape(extra[0])}; "
+                     f"{len(extra)} in all): not part of the {layout} layout of its config")
+
+
+def read_params(source, entries: list[Entry], shapes: dict, dtype) -> dict:
+  """Our params tree, filled tensor by tensor (checked with `check_tensors` first)."""
+  out = {path: np.empty(s.shape, dtype) for path, s in shapes.items()}
+  filled = {path: 0 for path in shapes}
+  for e in entries:
+    x = to_ours(source.get(e.src), e, out[e.dst].shape[0 if e.index is None else 1:])
+    if e.index is None:
+      out[e.dst][...] = x
+    else:
+      out[e.dst][e.index] = x
+    filled[e.dst] += 1
+  for path, n in filled.items():  # the tables above are wrong if this fails
+    want = 1 if not any(e.dst == path and e.index is not None for e in entries) else len(out[path])
+    if n != want:
+      raise RuntimeError(f"convert: parameter {'/'.join(path)} filled {n} times, not {want}")
+  return traverse_util.unflatten_dict(out)
+
+
+def param_shapes(config: ml_collections.ConfigDict) -> tuple[ModelArgs, dict]:
+  model = build_model(config)
+  tree = jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0)))
+  return model.args, traverse_util.flatten_dict(tree)

@@ -1,0 +1,220 @@
+"""Imports into a workdir (what `python -m mtp_jax.generate --workdir` reads: config.json and
+a params-only orbax checkpoint at step 0) and the export of a workdir's trunk + head 1 as a
+Hugging Face Llama.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import traverse_util
+
+from mtp_jax import config as config_lib
+from mtp_jax.checkpoint import Checkpointer, checkpoint_dir
+from mtp_jax.convert.layouts import (check_tensors, deepseek_entries, llama_entries, meta_entries,
+                                     param_shapes, read_params, to_torch)
+from mtp_jax.convert.readers import MetaShards, Safetensors, read_json
+from mtp_jax.data import tokenizers
+
+# Tensor names of blocks mtp_jax does not have: a DeepSeek checkpoint holding them is refused.
+_MOE = ("mlp.experts.", "mlp.gate.weight", "shared_experts", "e_score_correction_bias")
+_MLA = ("q_a_proj", "q_b_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm",
+        "kv_b_proj")
+
+
+def prepare_config(config: ml_collections.ConfigDict, spm: str, source: str):
+  """Validates `config` with the tokenizer at `spm` ("" = none: the byte tokenizer)."""
+  m = config.model
+  config.data.seq_len = min(config.data.seq_len, m.max_len)
+  if spm:
+    if not os.path.isfile(spm):
+      raise ValueError(f"--tokenizer: no SentencePiece model at {spm!r}")
+    config.data.tokenizer, config.data.spm_path = "sentencepiece", os.path.abspath(spm)
+  try:
+    config_lib.validate(config)
+  except ValueError as e:
+    raise ValueError(f"--ckpt: the config converted from {source} is not valid: {e}") from None
+  tok = tokenizers.get_tokenizer(config.data)
+  if tok.vocab_size > m.vocab_size:
+    raise ValueError(f"--tokenizer: {spm or 'the byte tokenizer'} has {tok.vocab_size} ids, more "
+                     f"than the model's vocabulary ({m.vocab_size})"
+                     + ("" if spm else f"; {source} has no tokenizer.model, name one"))
+  if not spm:
+    print(f"warning: {source} has no tokenizer.model and --tokenizer is not given: the workdir "
+          "uses the byte tokenizer", file=sys.stderr)
+
+
+def check_out(out: str) -> None:
+  if os.path.exists(os.path.join(out, "checkpoints")):
+    raise ValueError(f"--out: {out!r} already holds checkpoints/; convert into a new folder")
+
+
+def write_workdir(out: str, config: ml_collections.ConfigDict, params) -> None:
+  """config.json (as a training run writes it), the tokenizer copied in, a params-only
+  checkpoint."""
+  check_out(out)
+  os.makedirs(out, exist_ok=True)
+  if config.data.tokenizer == "sentencepiece":
+    dst = os.path.abspath(os.path.join(out, "tokenizer.model"))
+    if os.path.abspath(config.data.spm_path) != dst:
+      shutil.copyfile(config.data.spm_path, dst)
+    config.data.spm_path = dst
+  config_lib.save_json(config, os.path.join(out, "config.json"))
+  with Checkpointer(checkpoint_dir(out), keep=1, async_save=False) as ckpt:
+    ckpt.save(0, {"params": params})
+    ckpt.wait()
+
+
+def _tokenizer_path(ckpt: str, given: str) -> str:
+  """--tokenizer, else tokenizer.model in the checkpoint folder or its parent (Meta's release
+  keeps one beside its 7B_*/ folders), else "" (none)."""
+  if given:
+    return given
+  for folder in (ckpt, os.path.dirname(os.path.abspath(ckpt))):
+    if os.path.isfile(os.path.join(folder, "tokenizer.model")):
+      return os.path.join(folder, "tokenizer.model")
+  return ""
+
+
+def import_meta(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 0,
+                dtype: str = "float32") -> ml_collections.ConfigDict:
+  """facebook/multi-token-prediction (params.json, consolidated.NN.pth, 7B_*/ in the release)
+  -> workdir `out`."""
+  check_out(out)
+  p = read_json(os.path.join(ckpt, "params.json"), "params.json")
+  source = MetaShards(ckpt)
+  if "tok_embeddings.weight" not in source.keys():
+    raise ValueError(f"--ckpt: {ckpt} has no tensor 'tok_embeddings.weight'")
+  c = config_lib.base_config()
+  m = c.model
+  try:
+    dim = int(p["dim"])
+    m.d_model, m.n_layers, m.n_heads = dim, int(p["n_layers"]), int(p["n_heads"])
+  except KeyError as e:
+    raise ValueError(f"--ckpt: params.json has no {e.args[0]!r}") from None
+  m.n_kv_heads = int(p.get("n_kv_heads") or m.n_heads)
+  hidden = int(2 * 4 * dim / 3)  # Meta's llama FeedForward
+  if p.get("ffn_dim_multiplier") is not None:
+    hidden = int(p["ffn_dim_multiplier"] * hidden)
+  multiple = int(p.get("multiple_of", 256))
+  m.d_ff = multiple * -(-hidden // multiple)
+  vocab = int(p.get("vocab_size", -1))
+  m.vocab_size = vocab if vocab > 0 else source.shape("tok_embeddings.weight")[0]
+  m.norm_eps = float(p.get("norm_eps", 1e-5))
+  m.rope_theta = float(p.get("rope_theta") or 10000.0)
+  m.n_future = int(p.get("n_future_tokens", 1))
+  m.max_len = max_len or int(p.get("max_seq_len", 4096))
+  m.tie_embeddings = False
+  m.heads.kind = "parallel"
+  prepare_config(c, _tokenizer_path(ckpt, tokenizer), ckpt)
+  args, shapes = param_shapes(c)
+  entries = meta_entries(args)
+  check_tensors(source, entries, shapes, ckpt, "Meta", optional=("rope.freqs",))
+  write_workdir(out, c, read_params(source, entries, shapes, jnp.dtype(dtype)))
+  return c
+
+
+def import_deepseek(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 0,
+                    dtype: str = "float32") -> ml_collections.ConfigDict:
+  """Dense Llama + DeepSeek-V3 MTP layers in HF safetensors layout -> workdir `out`."""
+  check_out(out)
+  hf = read_json(os.path.join(ckpt, "config.json"), "config.json")
+  dense_only = "mtp_jax handles dense Llama-style attention and MLP only"
+  if hf.get("n_routed_experts") or hf.get("num_experts") or hf.get("num_local_experts"):
+    raise ValueError(f"--ckpt: config.json describes Mixture-of-Experts blocks; {dense_only}")
+  if hf.get("q_lora_rank") or hf.get("kv_lora_rank"):
+    raise ValueError(f"--ckpt: config.json describes MLA attention (q/kv_lora_rank); {dense_only}")
+  source = Safetensors(ckpt)
+  for key in source.keys():
+    for patterns, what in ((_MOE, "a Mixture-of-Experts"), (_MLA, "an MLA attention")):
+      if any(s in key for s in patterns):
+        raise ValueError(f"--ckpt: tensor {key!r} belongs to {what} block; {dense_only}")
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
+  if rope.get("rope_type", rope.get("type", "default")) != "default":
+    raise ValueError(f"--ckpt: config.json asks for {rope.get('rope_type', rope.get('type'))!r} "
+                     "RoPE scaling, which mtp_jax's RoPE does not have")
+  if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
+    raise ValueError(f"--ckpt: config.json asks for biases or a non-SiLU MLP; {dense_only}")
+  c = config_lib.base_config()
+  m = c.model
+  try:
+    m.d_model, m.n_layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
+    m.n_heads, m.d_ff = int(hf["num_attention_heads"]), int(hf["intermediate_size"])
+    m.vocab_size = int(hf["vocab_size"])
+  except KeyError as e:
+    raise ValueError(f"--ckpt: config.json has no {e.args[0]!r}") from None
+  if hf.get("head_dim") not in (None, m.d_model // m.n_heads):
+    raise ValueError(f"--ckpt: config.json head_dim {hf['head_dim']} != hidden_size / "
+                     "num_attention_heads, which mtp_jax's attention assumes")
+  m.n_kv_heads = int(hf.get("num_key_value_heads") or m.n_heads)
+  m.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
+  m.rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+  m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
+  m.n_future = 1 + int(hf.get("num_nextn_predict_layers") or 0)
+  m.max_len = max_len or int(hf.get("max_position_embeddings", 4096))
+  m.heads.kind, m.heads.seq_preset = "sequential", "deepseek_v3"
+  prepare_config(c, _tokenizer_path(ckpt, tokenizer), ckpt)
+  args, shapes = param_shapes(c)
+  entries = deepseek_entries(args)
+  # Each MTP module stores copies of the shared embedding and output matrix.
+  shared = {}
+  for k in range(args.n_future - 1):
+    p = f"model.layers.{args.n_trunk + k}."
+    shared[p + "embed_tokens.weight"] = "model.embed_tokens.weight"
+    shared[p + "shared_head.head.weight"] = ("model.embed_tokens.weight" if args.tie_embeddings
+                                             else "lm_head.weight")
+  ignored = {k for k in source.keys() if k.endswith("rotary_emb.inv_freq")}
+  check_tensors(source, entries, shapes, ckpt, "DeepSeek MTP", optional=set(shared) | ignored)
+  for key, main in shared.items():
+    if key in source.keys() and not np.array_equal(source.get(key), source.get(main)):
+      print(f"warning: {key} differs from {main}; mtp_jax shares one matrix and keeps {main}",
+            file=sys.stderr)
+  write_workdir(out, c, read_params(source, entries, shapes, jnp.dtype(dtype)))
+  return c
+
+
+def export_hf(workdir: str, out: str) -> dict:
+  """Trunk + head 1 of a workdir as HF LlamaForCausalLM files: config.json, model.safetensors
+  (float32) and tokenizer.model when the workdir has a SentencePiece model. numpy only."""
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
+  from mtp_jax import generate  # pylint: disable=import-outside-toplevel
+  loaded = generate.load_workdir(workdir)
+  a, tok = loaded.model.args, loaded.tokenizer
+  flat = traverse_util.flatten_dict(jax.device_get(loaded.params))
+  loaded.params = None
+  tensors = {}
+  for e in llama_entries(a):
+    x = flat[e.dst] if e.index is None else flat[e.dst][e.index]
+    tensors[e.src] = to_torch(np.asarray(x, np.float32), e)
+  del flat
+  hf = {
+      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "hidden_size": a.d_model, "intermediate_size": a.d_ff,
+      "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
+      "head_dim": a.head_dim,
+      "num_hidden_layers": a.n_trunk + (a.head_kind == "parallel"),
+      "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "rope_scaling": None,
+      "vocab_size": a.vocab_size, "max_position_embeddings": a.max_len,
+      "tie_word_embeddings": a.tie_embeddings, "hidden_act": "silu",
+      "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+  }
+  for name in ("bos", "eos", "pad"):  # a test-sized vocabulary may not reach the byte ids
+    i = getattr(tok, f"{name}_id")
+    hf[f"{name}_token_id"] = i if 0 <= i < a.vocab_size else None
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, "model.safetensors")
+  save_file(tensors, path, metadata={"format": "pt"})
+  os.chmod(path, 0o644)  # safetensors writes it owner-only
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2)
+  if isinstance(tok, tokenizers.SentencePieceTokenizer):
+    shutil.copyfile(tok.path, os.path.join(out, "tokenizer.model"))
+  return hf

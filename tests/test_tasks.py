@@ -12,6 +12,7 @@ import pytest
 from mtp_jax import config as config_lib
 from mtp_jax import tasks_eval
 from mtp_jax.data import builders
+from mtp_jax.data import config_checks
 from mtp_jax.data import pipeline
 from mtp_jax.data import tasks
 from mtp_jax.data import tokenizers
@@ -131,9 +132,9 @@ def test_ood_split_has_more_operations(data_dir):
          for s in tasks.SPLITS["polynomial"]}
   assert set(ops["train"]) == set(ops["validation"]) == {1, 2, 3}
   assert set(ops["test_ood"]) == {4, 5}
-  assert config_lib.poly_max_len(2, 5) == len("+ + 12345 12345 12345=12345")
+  assert config_checks.poly_max_len(2, 5) == len("+ + 12345 12345 12345=12345")
   for split, texts in (("train", _texts(c, "train")), ("test_ood", _texts(c, "test_ood"))):
-    assert max(len(t) for t in texts) <= config_lib.poly_max_len(3 if split == "train" else 5, 5)
+    assert max(len(t) for t in texts) <= config_checks.poly_max_len(3 if split == "train" else 5, 5)
 
 
 # Builders and the pipeline.

@@ -208,10 +208,11 @@ def main(argv=None) -> None:
   from absl import flags  # pylint: disable=import-outside-toplevel
   from mtp_jax import commandline  # pylint: disable=import-outside-toplevel
   from mtp_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax.data import config_checks  # pylint: disable=import-outside-toplevel
   data = config_lib.base_config().data
 
   def define(fv):
-    flags.DEFINE_enum("corpus", data.corpus, config_lib.CORPORA, "corpus to train on",
+    flags.DEFINE_enum("corpus", data.corpus, config_checks.CORPORA, "corpus to train on",
                       flag_values=fv)
     flags.DEFINE_string("data_dir", data.dir, "where datasets are built (data.dir)",
                         flag_values=fv)

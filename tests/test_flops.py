@@ -126,7 +126,7 @@ def test_bench_accel_tiny(capsys):
   sys.path.insert(0, os.path.join(ROOT, "experiments"))
   import bench_accel  # pylint: disable=import-outside-toplevel
   rec = bench_accel.main(["--size", "tiny", "--steps", "2", "--warmup", "0",
-                          "--max_new_tokens", "6"])
+                          "--max_new_tokens", "6", "--decode_reps", "1"])
   assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(rec))
   assert rec["platform"] == "cpu" and rec["batch"] == 2 and rec["seq_len"] == 32
   assert [r["n_future"] for r in rec["train"]] == [1, 4]
@@ -142,3 +142,19 @@ def test_bench_accel_tiny(capsys):
     assert d["S_predicted"] == pytest.approx(d["a"] * d["T1"] / d["Tc"])
     assert d["identical"]
   assert "random-init" in rec["decode"]["params_from"]
+
+
+def test_bench_accel_fit_batch(monkeypatch):
+  """--batch auto: the search over powers of two, and the compiled peak it reads (from shapes
+  alone) grows with the batch."""
+  sys.path.insert(0, os.path.join(ROOT, "experiments"))
+  import bench_accel  # pylint: disable=import-outside-toplevel
+  make = lambda b: bench_accel.make_config("tiny", 4, "float32", b, [])
+  small, big = bench_accel.compiled_peak(make(1)), bench_accel.compiled_peak(make(8))
+  assert 0 < small < big
+  per_row = lambda c: 1000 * c.train.batch_size  # a stand-in peak: 1000 bytes per row
+  monkeypatch.setattr(bench_accel, "compiled_peak", per_row)
+  assert bench_accel.fit_batch(make, 2, 8500) == 8  # doubles while it fits
+  assert bench_accel.fit_batch(make, 32, 8500) == 8  # halves until it fits
+  with pytest.raises(ValueError, match="^--batch: even batch 1 needs more than"):
+    bench_accel.fit_batch(make, 4, 500)

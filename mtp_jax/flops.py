@@ -1,0 +1,158 @@
+"""Model FLOPs per token, peak FLOP/s per device, and model FLOPs utilisation (MFU).
+
+Counting (PaLM, Chowdhery et al. 2022, appendix B): 2 FLOPs per multiply-add of every matmul in
+the forward pass, x3 for a train step (the backward pass costs twice the forward). Not counted:
+norms, RoPE, softmax, the SiLU gate, the embedding lookup (a gather), the optimizer update, and
+any recomputation under remat: these are *model* FLOPs, so a remat policy lowers MFU instead of
+raising the count. Attention scores and values count the full S x S per layer (4 * d_model * S
+per token and attention block forward, PaLM's 12 * L * d * S per train token) unless
+`causal_half=True`, which counts only the s <= t half that a causal flash kernel computes.
+
+For the training loop (once at start, then per log line):
+
+    fpt = flops.flops_per_token(config)["total"]          # train step FLOPs per token
+    peak, source = flops.peak_flops_per_device(config.model.dtype)
+    mfu = flops.mfu(tokens_per_second, fpt, peak, jax.device_count())
+
+where tokens_per_second counts input positions (batch * seq_len per step), each of which trains
+every head.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+DTYPES = ("float32", "bfloat16")
+
+# Dense (no structured sparsity) peak FLOP/s per chip: (bfloat16, float32). The float32 column
+# is what JAX's default matmul precision reaches with float32 inputs: TF32 tensor cores on
+# Ampere and later NVIDIA GPUs, one bf16 MXU pass on TPUs (docs.jax.dev "Matmul precision":
+# "bfloat16 on TPU, TF32 on recent GPUs"); `jax.default_matmul_precision("highest")` is slower.
+# NVIDIA quotes tensor-core figures with 2:4 sparsity; the dense figure is half.
+_NVIDIA_H100 = "NVIDIA H100 datasheet (resources.nvidia.com/en-us-tensor-core), sparse / 2"
+_NVIDIA_H200 = "NVIDIA H200 product page (nvidia.com/en-us/data-center/h200), SXM, sparse / 2"
+_NVIDIA_A100 = "NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100), dense"
+_TPU = "Cloud TPU docs (cloud.google.com/tpu/docs/{}), peak compute per chip (bf16)"
+PEAK_FLOPS: dict[str, tuple[float, float, str]] = {
+    # CUDA device names, as jax.devices()[0].device_kind reports them.
+    "NVIDIA H100 80GB HBM3": (989.4e12, 494.7e12, _NVIDIA_H100 + ", SXM5"),
+    "NVIDIA H100 PCIe": (756.0e12, 378.0e12, _NVIDIA_H100 + ", PCIe"),
+    # The H200 NVL (600 W) reports the same name and peaks ~15% lower (835 TFLOP/s bf16).
+    "NVIDIA H200": (989.4e12, 494.7e12, _NVIDIA_H200),
+    "NVIDIA A100-SXM4-40GB": (312e12, 156e12, _NVIDIA_A100),
+    "NVIDIA A100-SXM4-80GB": (312e12, 156e12, _NVIDIA_A100),
+    "NVIDIA A100-PCIE-40GB": (312e12, 156e12, _NVIDIA_A100),
+    "NVIDIA A100 80GB PCIe": (312e12, 156e12, _NVIDIA_A100),
+    # TPU device kinds as JAX names them (jax/_src/pallas/mosaic maps "TPU v5 lite" to v5e,
+    # "TPU v5" to v5p, "TPU v6 lite" to v6e); the marketing names are kept as aliases.
+    "TPU v4": (275e12, 275e12, _TPU.format("v4")),
+    "TPU v5 lite": (197e12, 197e12, _TPU.format("v5e")),
+    "TPU v5e": (197e12, 197e12, _TPU.format("v5e")),
+    "TPU v5": (459e12, 459e12, _TPU.format("v5p")),
+    "TPU v5p": (459e12, 459e12, _TPU.format("v5p")),
+    "TPU v6 lite": (918e12, 918e12, _TPU.format("v6e")),
+    "TPU v6e": (918e12, 918e12, _TPU.format("v6e")),
+}
+
+
+def _block(d: int, n_heads: int, n_kv_heads: int, d_ff: int) -> int:
+  """Forward matmul FLOPs per token of one pre-norm Llama block, attention scores aside:
+  q and o (d x d each), k and v (d x n_kv_heads * head_dim each, GQA), SwiGLU's three d x d_ff."""
+  kv = n_kv_heads * (d // n_heads)
+  return 2 * (2 * d * d + 2 * d * kv + 3 * d * d_ff)
+
+
+def flops_per_token(config: ml_collections.ConfigDict, *, train: bool = True,
+                    causal_half: bool = False) -> dict[str, float]:
+  """FLOPs per input token of one forward (train=False) or train step (train=True, x3).
+
+  Returns {"trunk", "heads", "attention", "unembedding", "total"}: "trunk" and "heads" are the
+  blocks' projection and MLP matmuls, "attention" the scores and values of every attention
+  block (trunk and heads) at sequence length data.seq_len, "unembedding" d_model x vocab once per
+  head. Head kinds (heads.py): parallel, n_future blocks taken from n_layers (Gloeckle et al.
+  2024 §2); projection, n_future - 1 residual MLPs d -> 2d -> d; sequential, n_future - 1
+  DeepSeek-V3 depths (arXiv 2412.19437 eq. 21-23), each eh_proj 2d -> d and a block.
+  """
+  m = config.model
+  d, n, S = m.d_model, m.n_future, config.data.seq_len
+  block = _block(d, m.n_heads, m.n_kv_heads, m.d_ff)
+  kind = m.heads.kind
+  if kind == "parallel":
+    n_trunk, head_blocks, heads = m.n_layers - n, n, n * block
+  elif kind == "projection":
+    n_trunk, head_blocks, heads = m.n_layers, 0, (n - 1) * 2 * (d * 2 * d + 2 * d * d)
+  elif kind == "sequential":
+    n_trunk, head_blocks, heads = m.n_layers, n - 1, (n - 1) * (2 * (2 * d * d) + block)
+  else:
+    raise ValueError(f"config.model.heads.kind: got {kind!r}, allowed: 'parallel', "
+                     "'projection', 'sequential'")
+  keys = S / 2 if causal_half else S
+  out = {
+      "trunk": float(n_trunk * block),
+      "heads": float(heads),
+      # QK^T and PV: 2 FLOPs x head_dim x keys, for each of n_heads query heads, twice.
+      "attention": float((n_trunk + head_blocks) * 4 * d * keys),
+      "unembedding": float(n * 2 * d * m.vocab_size),
+  }
+  scale = 3.0 if train else 1.0
+  out = {k: v * scale for k, v in out.items()}
+  out["total"] = sum(out.values())
+  return out
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float | None,
+        n_devices: int = 1) -> float | None:
+  """Model FLOPs utilisation: achieved model FLOP/s over the devices' summed peak (None when the
+  peak is unknown). tokens_per_second is the global rate over all n_devices."""
+  if not peak_flops:
+    return None
+  return tokens_per_second * flops_per_token / (peak_flops * n_devices)
+
+
+def _dtype_name(dtype) -> str:
+  name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+  if name not in DTYPES:
+    raise ValueError(f"dtype: got {dtype!r}, allowed: {', '.join(map(repr, DTYPES))}")
+  return name
+
+
+@functools.lru_cache(maxsize=None)
+def _measure(device, dtype: str, n: int, reps: int) -> float:
+  x = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.dtype(dtype)), device)
+  f = jax.jit(lambda a, b: a @ b)
+  jax.block_until_ready(f(x, x))
+  best = float("inf")
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(f(x, x))
+    best = min(best, time.perf_counter() - t)
+  return 2 * n ** 3 / best
+
+
+def measured_matmul_peak(dtype="float32", device=None, n: int | None = None,
+                         reps: int = 5) -> float:
+  """FLOP/s of the best of `reps` jitted n x n matmuls (n = 1024 on CPU, 8192 elsewhere),
+  measured once per process and (device, dtype, n)."""
+  device = device or jax.devices()[0]
+  n = n or (1024 if device.platform == "cpu" else 8192)
+  return _measure(device, _dtype_name(dtype), n, reps)
+
+
+def peak_flops_per_device(dtype="float32", device=None) -> tuple[float, str]:
+  """(peak FLOP/s of one device for matmuls in `dtype`, where the figure comes from): the
+  datasheet table above for a known device kind, else (CPUs, unlisted accelerators) a measured
+  matmul peak. Call once at start; the measurement is cached."""
+  name = _dtype_name(dtype)
+  device = device or jax.devices()[0]
+  kind = device.device_kind
+  if kind in PEAK_FLOPS:
+    bf16, f32, source = PEAK_FLOPS[kind]
+    return (bf16 if name == "bfloat16" else f32), f"{kind}, {name}: {source}"
+  n = 1024 if device.platform == "cpu" else 8192
+  return (measured_matmul_peak(name, device, n),
+          f"{kind}, {name}: measured, best of 5 jitted {n}x{n} matmuls (not in flops.PEAK_FLOPS)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -42,8 +42,12 @@ def _fmt_heads(values) -> str:
 class MetricsWriter:
   """Console, metrics.jsonl and TensorBoard behind one `write(step, kind, values)`."""
 
-  def __init__(self, workdir: str, *, total_steps: int, tokens_per_step: int, out=None):
+  def __init__(self, workdir: str, *, total_steps: int, tokens_per_step: int, out=None,
+               mfu: Callable[[float], float | None] | None = None):
+    """`mfu`: tokens/s -> model FLOPs utilisation (flops.mfu with this run's FLOPs per token and
+    peak); train values then carry `mfu` too (console, metrics.jsonl, TensorBoard)."""
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel  (heavy)
+    self.mfu = mfu
     self.total_steps = total_steps
     self.tokens_per_step = tokens_per_step
     self.last: dict[str, dict[str, float]] = {kind: {} for kind in KINDS}
@@ -55,6 +59,10 @@ class MetricsWriter:
     """`values` of kind "train" carry `tokens_per_sec` (for the console's ETA)."""
     if kind not in KINDS:
       raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
+    if kind == "train" and self.mfu is not None and "tokens_per_sec" in values:
+      mfu = self.mfu(float(values["tokens_per_sec"]))
+      if mfu is not None:
+        values = {**values, "mfu": mfu}
     flat = head_summary(values, prefix=f"{kind}/")
     for k, v in flat.items():
       self._tb.add_scalar(k, v, step)
@@ -70,7 +78,8 @@ class MetricsWriter:
     skipped = int(m["nonfinite_total"]) if "nonfinite_total" in m else 0
     return (f"step {step}/{self.total_steps} loss {float(m['loss']):.4f} "
             f"heads [{_fmt_heads(m['head_loss'])}] acc1 {float(m['head_acc'][0]):.3f} "
-            f"{tps:,.0f} tok/s ETA {eta:,.0f}s" + (f" skipped {skipped}" if skipped else ""))
+            f"{tps:,.0f} tok/s" + (f" MFU {100 * float(m['mfu']):.1f}%" if "mfu" in m else "")
+            + f" ETA {eta:,.0f}s" + (f" skipped {skipped}" if skipped else ""))
 
   @staticmethod
   def _eval_line(step, m) -> str:

@@ -26,6 +26,7 @@ from ml_collections import config_flags
 
 from mtp_jax import cli
 from mtp_jax import config as config_lib
+from mtp_jax import flops as flops_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
@@ -130,7 +131,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                        donate_argnums=0)
   eval_step = jax.jit(steps_lib.make_eval_step(model, config))
   tokens_per_step = config.train.batch_size * config.data.seq_len
-  writer = MetricsWriter(workdir, total_steps=steps, tokens_per_step=tokens_per_step)
+  flops_per_token = flops_lib.flops_per_token(config)["total"]
+  peak_flops, peak_source = flops_lib.peak_flops_per_device(config.model.dtype)
+  mfu_of = lambda tps: flops_lib.mfu(tps, flops_per_token, peak_flops, jax.device_count())
+  writer = MetricsWriter(workdir, total_steps=steps, tokens_per_step=tokens_per_step,
+                         mfu=mfu_of)
   batches_f = open(os.path.join(workdir, "batches.log"), "a")
   pending = None
   t_log, step_log, t_first = time.time(), start, None
@@ -185,12 +190,17 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   step = int(state.step)
   run_steps = max(step - start - 1, 0)
   run_secs = time.time() - t_first if t_first else 0.0
+  tokens_per_sec = run_steps * tokens_per_step / run_secs if run_steps and run_secs else 0.0
   summary = {
       "step": step,
       "steps": steps,
       "n_params": n_params,
       "tokens_seen": step * tokens_per_step,
-      "tokens_per_sec": run_steps * tokens_per_step / run_secs if run_steps and run_secs else 0.0,
+      "tokens_per_sec": tokens_per_sec,
+      "flops_per_token": flops_per_token,  # model FLOPs of a train step (flops.py), per token
+      "mfu": mfu_of(tokens_per_sec) if tokens_per_sec else None,
+      "peak_flops_per_device": peak_flops,
+      "peak_flops_source": peak_source,
       "wall_seconds": time.time() - t_start,
       "params_sha256": steps_lib.params_sha256(state.params),
       "head_kind": config.model.heads.kind,

@@ -17,7 +17,8 @@ from mtp_jax.flops, the peak from its datasheet table (or a measured matmul peak
 `--batch auto` doubles or halves the size's default batch until the n=4 step's compiled peak
 memory fills at most `--fill` of the device, then uses that batch for both variants.
 
-Decode (mtp_jax.decode, BACKGROUND.md §5): greedy (k=1) and speculative (k=4) on the n=4 model
+Decode (mtp_jax.decode; the cost model S = a T1/Tc of BACKGROUND.md §5): greedy (k=1) and
+speculative (k=4) on the n=4 model
 for batch 1 and 8, EOS ignored so the work is fixed; T1 = greedy seconds per forward, Tc =
 speculative seconds per cycle, a = tokens per cycle, S_predicted = a * T1 / Tc. With the
 random-init params a is meaningless (only T1 and Tc are); `--workdir DIR` decodes a trained

@@ -145,8 +145,8 @@ def table(records: list[dict], sizes: list[str], ns: list[int]) -> str:
       row = []
       for n in ns:
         v = cells.get((size, n))
-        row.append("" if not v else f"{np.mean(v):.3f}" + (f" ± {np.std(v, ddof=1):.3f}" if len(v) > 1
-                                                            else ""))
+        spread = f" ± {np.std(v, ddof=1):.3f}" if v and len(v) > 1 else ""  # sample std
+        row.append("" if not v else f"{np.mean(v):.3f}" + spread)
       if any(row):
         lines.append(f"| {task} | {split} {metric} | {size} | {params[(task, size)]:,} | "
                      + " | ".join(row) + " |")
@@ -164,8 +164,8 @@ def plot(records: list[dict], ns: list[int], path: str) -> None:
     cells = agg[(task, split, metric)]
     params = {r["size"]: r["n_params"] for r in records if r["task"] == task}
     for n in ns:
-      pts = sorted((params[size], np.mean(v), np.std(v, ddof=1) if len(v) > 1 else 0.0) for (size, m), v in cells.items()
-                   if m == n)
+      pts = sorted((params[size], np.mean(v), np.std(v, ddof=1) if len(v) > 1 else 0.0)
+                   for (size, m), v in cells.items() if m == n)
       if pts:
         x, y, e = map(np.asarray, zip(*pts))
         ax.errorbar(x, y, yerr=e if (e > 0).any() else None, marker="o", capsize=3,

@@ -9,7 +9,7 @@ One `orbax.checkpoint.CheckpointManager` over `<workdir>/checkpoints`, one folde
   <checkpoints>/corrupt-<step>-<n>/         a step that failed to restore, moved aside (never
                                             deleted: a person may still want to look at it)
 
-Why the checks. Measured with orbax-checkpoint 0.12.8 (see DESIGN.md):
+Why the checks. Measured with orbax-checkpoint 0.12.8 (docs/DESIGN.md, "Traps found so far"):
 - An empty or partial step folder is still listed as the latest step, and a restore without
   arguments returns `{}` with no error. So `restore_latest` reads the step's metadata, restores
   into the caller's tree, checks structure, shapes, dtypes and the iterator state, and on any

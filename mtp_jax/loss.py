@@ -10,7 +10,7 @@ DeepSeek-V3: 1 for the main head and lambda / D for each of the D depths).
 Memory: `lax.scan` over heads with a `jax.checkpoint` body that saves nothing, so the backward
 pass recomputes one head's logits at a time: only one [B, S, V] block is alive instead of N.
 `token_chunks` tiles each head along the sequence to bound it further, [B, S / C, V].
-(`dots_with_no_batch_dims_saveable` would save every head's logits: measured, see DESIGN.md.)
+(`dots_with_no_batch_dims_saveable` would save every head's logits: measured, see docs/DESIGN.md.)
 Nothing goes through Flax intermediates: the loss and metrics are returned.
 
 Everything is first a per-head sum over tokens (`mtp_sums`: NLL, lse^2, correct, agreeing,

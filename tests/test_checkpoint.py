@@ -1,4 +1,4 @@
-"""Checkpointer: exact round trips, resumable input, and the orbax traps measured in DESIGN.md."""
+"""Checkpointer: exact round trips, resumable input, and the orbax traps measured in docs/DESIGN.md."""
 
 import logging
 import os

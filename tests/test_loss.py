@@ -221,7 +221,7 @@ def test_weighted_sum_of_head_losses():
   np.testing.assert_allclose(loss, (weights * metrics["head_loss"]).sum(), rtol=1e-6)
 
 
-# Compiled memory (exact, not noisy): DESIGN.md §"O(V+d) logit memory".
+# Compiled memory (exact, not noisy): docs/DESIGN.md, "Decisions" (O(V+d) logit memory).
 V, D, B, S = 32768, 256, 8, 256
 
 

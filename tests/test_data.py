@@ -397,30 +397,3 @@ def test_processes_read_disjoint_shards(corpus):
     _iterator(c, "validation", process_index=0, process_count=3)
   batch = next(pipeline.make_iterator(c, "validation"))  # index and count from jax: 0 of 1
   assert batch["tokens"].shape == (8, SEQ_LEN)
-
-
-def test_data_modules_import_without_cycles():
-  """The import graph of mtp_jax/data, module-level and function-local imports alike, is acyclic
-  (builders -> tasks -> local_builder, never back)."""
-  import ast  # pylint: disable=import-outside-toplevel
-  folder = os.path.dirname(pipeline.__file__)
-  names = {f[:-3] for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py"}
-  graph = {}
-  for name in names:
-    with open(os.path.join(folder, name + ".py")) as f:
-      tree = ast.parse(f.read())
-    deps = set()
-    for node in ast.walk(tree):
-      if isinstance(node, ast.ImportFrom) and node.module == "mtp_jax.data":
-        deps |= {a.name for a in node.names if a.name in names}
-      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mtp_jax.data."):
-        deps.add(node.module.split(".")[2])
-    graph[name] = deps
-  assert "tasks" in graph["builders"] and "builders" not in graph["tasks"]
-
-  def visit(node, path):
-    assert node not in path, f"import cycle: {' -> '.join(path + [node])}"
-    for dep in graph[node]:
-      visit(dep, path + [node])
-  for name in graph:
-    visit(name, [])

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 from conftest import copy_code_corpus, require
@@ -22,6 +23,7 @@ from mtp_jax import config as config_lib  # noqa: E402
 from mtp_jax import convert, generate, train  # noqa: E402
 from mtp_jax import decode as decode_lib  # noqa: E402
 from mtp_jax import loss as loss_lib  # noqa: E402
+from mtp_jax import optimizer as optim_lib  # noqa: E402
 from mtp_jax.data import pipeline  # noqa: E402
 from mtp_jax.model import logits  # noqa: E402
 
@@ -141,7 +143,7 @@ def _finetune_config(imported, corpus, steps):
   return config_lib.validate(c)
 
 
-def test_heads_only_finetuning(ckpts, tmp_path):
+def test_heads_only_finetuning(ckpts, tmp_path, capsys):
   """Parallel heads, the hard case: head 1's block shares a stacked leaf with the new heads."""
   imported, run = str(tmp_path / "imported"), str(tmp_path / "run")
   convert.import_hf(ckpts["untied"], imported, n_future=3, heads="parallel")
@@ -170,6 +172,11 @@ def test_heads_only_finetuning(ckpts, tmp_path):
   report = generate.run(run, ["def f(x):", "import o"], max_new_tokens=8, mode="both",
                         heads=None, out=open(os.devnull, "w"))
   assert report["identical"] and report["heads"] == 3
+
+  c.train.steps = 10  # a workdir with checkpoints resumes: init_from is ignored
+  capsys.readouterr()
+  assert train.train(c, run)["step"] == 10
+  assert "resuming at step 8/10" in capsys.readouterr().out
 
 
 def test_errors_are_one_line_and_write_nothing(ckpts, tmp_path, capsys):
@@ -236,3 +243,30 @@ def test_init_from_checks_the_model(ckpts, tmp_path):
   with pytest.raises(ValueError, match="is not a workdir with config.json and checkpoints/"):
     train.check_inputs(c, str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("kind", ["parallel", "projection", "sequential"])
+def test_heads_only_allocates_no_state_for_frozen_params(kind, make_config, make_model):
+  """Adam moments exist for the stacks holding heads 2..n and nothing else (parallel: the whole
+  blocks stack, head 1's slot included, since it shares the leaves); an update moves heads
+  2..n only, whatever the gradients of the rest."""
+  c = make_config(kind, 3)
+  c.optim.trainable, c.optim.warmup_steps = "heads", 0
+  _, params = make_model(config_lib.validate(c))
+  tx = optim_lib.make_optimizer(c)
+  state = tx.init(params)
+  stack = {"parallel": "blocks", "projection": "mlps", "sequential": "depths"}[kind]
+  n_stack = sum(x.size for x in jax.tree.leaves(params["heads"][stack]))
+  n_state = sum(x.size for x in jax.tree.leaves(state) if x.ndim)
+  assert n_state == 2 * n_stack  # mu and nu of the trained stack only
+  grads = jax.tree.map(lambda x: np.ones_like(x), params)
+  updates, _ = tx.update(grads, state, params)
+  for path, u in flatten_dict(updates).items():
+    u = np.asarray(u)
+    if path[:2] == ("heads", stack):
+      moved = u[1:] if kind == "parallel" else u
+      assert np.all(moved != 0), path
+      if kind == "parallel":
+        assert np.all(u[0] == 0), path
+    else:
+      assert not np.any(u), path

@@ -7,8 +7,7 @@ whose heads 2..n are new, to be fine-tuned (`train.init_from`, `optim.trainable 
 
 Where head 1 comes from, per kind (heads.py):
   parallel    Gloeckle et al. 2024 §2 / Meta's layout: the last HF layer is head 1's block, the
-              trunk is the layers before it; `copy` starts heads 2..n as copies of that block
-              (the paper's §3.5 fine-tuning of a next-token model with n' heads starts there).
+              trunk is the layers before it; `copy` starts heads 2..n as copies of that block.
   projection  head 1 is the whole HF model; heads 2..n are residual MLPs.
   sequential  DeepSeek-V3 MTP modules (arXiv 2412.19437 §2.2) after the whole HF model.
 

@@ -9,7 +9,9 @@ checkable (`params_sha256` in a workdir's summary.json).
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
+import os
 from typing import Any
 
 import flax
@@ -20,10 +22,12 @@ import ml_collections
 import numpy as np
 import optax
 
+from mtp_jax import config as config_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
-from mtp_jax.model import MTPModel
+from mtp_jax.checkpoint import Checkpointer, checkpoint_dir
+from mtp_jax.model import MTPModel, build_model
 
 
 @flax.struct.dataclass
@@ -71,12 +75,7 @@ def init_state(model, tx, config, mesh, rng) -> TrainState:
 def check_init_from(config, workdir: str) -> None:
   """train.init_from names a workdir holding this config's params tree and tokenizer; else one
   line naming the first difference (raised before the run writes anything)."""
-  import filecmp  # pylint: disable=import-outside-toplevel
-  import os  # pylint: disable=import-outside-toplevel
-
-  from mtp_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
-  field, hint = "config.train.init_from", f"take config.model and config.data.tokenizer from it"
+  field, hint = "config.train.init_from", "take config.model and config.data.tokenizer from it"
   if not (os.path.isfile(os.path.join(workdir, "config.json"))
           and os.path.isdir(os.path.join(workdir, "checkpoints"))):
     raise ValueError(f"{field}: {workdir!r} is not a workdir with config.json and checkpoints/ "
@@ -106,9 +105,7 @@ def init_state_from(model, tx, config, mesh, workdir: str) -> TrainState:
   """train.init_from: the params of `workdir`'s latest checkpoint (mtp_jax.convert's params-only
   one, or a run's, restored with that run's own optimizer tree and its moments dropped), on this
   run's shardings, with a fresh optimizer state at step 0: a new run, not a resume."""
-  from mtp_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax.checkpoint import Checkpointer, checkpoint_dir  # pylint: disable=import-outside-toplevel
-  source = config_lib.load_json(f"{workdir}/config.json")
+  source = config_lib.load_json(os.path.join(workdir, "config.json"))
   target = abstract_state(model, optim_lib.make_optimizer(source), config, mesh)
   with Checkpointer(checkpoint_dir(workdir), async_save=False) as ckpt:
     if ckpt.saved_keys() == {"params"}:

@@ -24,6 +24,7 @@ HEAD_KINDS = tuple(heads.KINDS)  # the built-in kinds; validate() reads the live
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 HEAD_WEIGHTS = ("uniform", "geometric", "deepseek")
 SCHEDULES = ("cosine", "linear", "constant")
+TRAINABLE = ("all", "heads")  # optim.trainable: "heads" trains heads 2..n only (optimizer.py)
 DTYPES = ("float32", "bfloat16")
 # Every float field: (the allowed range in words, the test). validate() checks each value is a
 # finite number in range (nan fails no `<` test); tests/test_config.py fails for a float field
@@ -133,6 +134,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim.decay_norms_and_embeddings = False
   c.optim.grad_clip = 1.0
   c.optim.max_consecutive_nonfinite = 10
+  c.optim.trainable = "all"  # "heads": trunk, embeddings, norm, unembedding, head 1 frozen
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 16
@@ -145,6 +147,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 200
   c.train.keep_checkpoints = 3
   c.train.async_checkpoints = True
+  # A workdir (mtp_jax.convert's or a run's): start from its params with a fresh optimizer and
+  # schedule; ignored once this run has checkpoints of its own (then it resumes).
+  c.train.init_from = ""
   c.train.debug_nonfinite_steps = ()  # fault injection for tests: steps whose grads become NaN
 
   c.mesh = ml_collections.ConfigDict()
@@ -326,6 +331,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   t, o = c.train, c.optim
   _choice(c, "optim.schedule", SCHEDULES)
+  _choice(c, "optim.trainable", TRAINABLE)
+  if o.trainable == "heads" and m.n_future < 2:
+    _fail("optim.trainable", f"'heads' trains heads 2..n and model.n_future is {m.n_future}: "
+          "set model.n_future >= 2 or optim.trainable='all'")
   for field in ("batch_size", "grad_accum", "steps", "log_every", "eval_every",
                 "checkpoint_every", "keep_checkpoints", "eval_batches"):
     if int(getattr(t, field)) < 1:

@@ -1,12 +1,23 @@
 """The optax chain from `config.optim`: global-norm clipping, AdamW with a weight-decay mask,
 warmup then cosine / linear / constant, and `optax.apply_if_finite` so a step whose gradients
-are not finite is skipped (params and moments untouched) and counted."""
+are not finite is skipped (params and moments untouched) and counted.
+
+`optim.trainable = "heads"` (Medusa-style heads on a frozen next-token model; Gloeckle et al.
+2024's fine-tuning experiments train the whole model instead, "all") trains heads 2..n only: every other leaf
+goes to `optax.set_to_zero` through `optax.multi_transform`, so it has no optimizer state and
+its update is exactly zero (the params stay bit-identical). A stack that holds head 1 too
+(parallel heads: blocks[0] is head 1's block) is trained as a whole leaf with the frozen slots'
+gradients and updates zeroed (`freeze_slots`): one block's moments are allocated, never used.
+"""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
+
+from mtp_jax import heads as heads_lib
 
 # apply_if_finite applies the update anyway after this many consecutive bad steps; the train
 # loop stops itself after `optim.max_consecutive_nonfinite`, so never let optax give in first.
@@ -38,6 +49,46 @@ def decay_mask(params, decay_norms_and_embeddings: bool = False):
   return jax.tree_util.tree_map_with_path(leaf_mask, params)
 
 
+def trained_slots(config: ml_collections.ConfigDict) -> dict[tuple[str, str], list[int]]:
+  """optim.trainable = "heads": {("heads", stack): slots on its stacked axis holding heads
+  2..n}, from the head kind's own `head_params` (nothing here names a kind)."""
+  kind = heads_lib.KINDS[config.model.heads.kind]
+  out = {}
+  for j in range(2, config.model.n_future + 1):
+    for path, index in kind.head_params(j):
+      out.setdefault(tuple(path), []).append(index)
+  return out
+
+
+def _names(path) -> tuple[str, ...]:
+  return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+
+
+def trainable_labels(params, trained: dict) -> object:
+  """"train" for the leaves of a trained stack, "frozen" for every other leaf."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "train" if _names(path)[:2] in trained else "frozen", params)
+
+
+def freeze_slots(trained: dict) -> optax.GradientTransformation:
+  """Zeroes the slots of a trained stack that are not in `trained` (head 1's block in a
+  parallel stack): before the clip and Adam its gradient, so it neither counts in the global
+  norm nor moves the moments; after them its update (weight decay included)."""
+
+  def zero(path, u):
+    slots = trained.get(_names(path)[:2])
+    if slots is None or u is None or len(slots) == u.shape[0]:
+      return u
+    keep = jnp.zeros(u.shape[0], bool).at[jnp.asarray(slots)].set(True)
+    return jnp.where(keep.reshape((-1,) + (1,) * (u.ndim - 1)), u, jnp.zeros_like(u))
+
+  def update(updates, state, params=None):
+    del params
+    return jax.tree_util.tree_map_with_path(zero, updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
   o = config.optim
   mask = lambda p: decay_mask(p, o.decay_norms_and_embeddings)
@@ -46,6 +97,13 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
       optax.adamw(make_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
                   weight_decay=o.weight_decay, mask=mask),
   )
+  if o.trainable == "heads":
+    trained = trained_slots(config)
+    inner = optax.chain(
+        freeze_slots(trained),
+        optax.multi_transform({"train": inner, "frozen": optax.set_to_zero()},
+                              lambda p: trainable_labels(p, trained)),
+        freeze_slots(trained))
   return optax.apply_if_finite(inner, max_consecutive_errors=_NEVER)
 
 

@@ -70,6 +70,8 @@ def check_inputs(config: ml_collections.ConfigDict, workdir: str | None):
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ValueError(f"--workdir: {workdir!r} exists and is not a folder")
   config_lib.validate(config)
+  if config.train.init_from:
+    steps_lib.check_init_from(config, config.train.init_from)
   tok = tokenizers.get_tokenizer(config.data)
   if tok.vocab_size > config.model.vocab_size:
     raise ValueError(f"config.model.vocab_size: the {config.data.tokenizer} tokenizer has "
@@ -114,14 +116,18 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints,
                       async_save=config.train.async_checkpoints)
   restored = ckpt.restore_latest(steps_lib.abstract_state(model, tx, config, mesh), train_it)
-  if restored is None:
+  if restored is None and config.train.init_from:  # a new run from imported or trained params
+    state = steps_lib.init_state_from(model, tx, config, mesh, config.train.init_from)
+  elif restored is None:
     state = steps_lib.init_state(model, tx, config, mesh, jax.random.PRNGKey(config.seed))
   else:
     state = restored[0]
   start, steps = int(state.step), config.train.steps
   end = min(config.train.stop_at or steps, steps)
   n_params = param_count(state.params)
-  print(f"{'resuming at' if restored else 'starting'} step {start}/{steps}: "
+  how = "resuming at" if restored else "starting" + (
+      f" from {config.train.init_from}" if config.train.init_from else "")
+  print(f"{how} step {start}/{steps}: "
         f"{n_params:,} params, {config.model.heads.kind} heads, n_future "
         f"{config.model.n_future}, {len(jax.devices())} {jax.devices()[0].platform} device(s)",
         flush=True)

@@ -1,4 +1,4 @@
-"""python -m mtp_jax.convert meta|deepseek|to-hf ... (see mtp_jax/convert/__init__.py)."""
+"""python -m mtp_jax.convert meta|deepseek|to-hf|from-hf ... (see mtp_jax/convert/__init__.py)."""
 
 import sys
 

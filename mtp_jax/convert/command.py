@@ -9,12 +9,14 @@ from absl import flags, logging
 
 from mtp_jax import commandline
 from mtp_jax import config as config_lib
-from mtp_jax.convert import workdir
+from mtp_jax.convert import from_hf, workdir
 
 USAGE = """usage:
   python -m mtp_jax.convert meta --ckpt DIR --out WORKDIR [--tokenizer PATH]
   python -m mtp_jax.convert deepseek --ckpt DIR --out WORKDIR [--tokenizer PATH]
-  python -m mtp_jax.convert to-hf --workdir WORKDIR --out DIR"""
+  python -m mtp_jax.convert to-hf --workdir WORKDIR --out DIR
+  python -m mtp_jax.convert from-hf --ckpt DIR --out WORKDIR --n_future 4 \
+      --heads parallel|projection|sequential [--init_heads copy|random] [--tokenizer PATH]"""
 
 
 def _define_import(fv: flags.FlagValues) -> None:
@@ -26,6 +28,15 @@ def _define_import(fv: flags.FlagValues) -> None:
                        "checkpoint's config)", lower_bound=0, flag_values=fv)
   flags.DEFINE_enum("dtype", "float32", config_lib.DTYPES,
                     "stored parameter dtype (restored as float32)", flag_values=fv)
+
+
+def _define_from_hf(fv: flags.FlagValues) -> None:
+  _define_import(fv)
+  flags.DEFINE_integer("n_future", None, "heads, head 1 included (>= 2)", flag_values=fv)
+  flags.DEFINE_enum("heads", None, list(config_lib.HEAD_KINDS), "head kind", flag_values=fv)
+  flags.DEFINE_enum("init_heads", "copy", list(from_hf.INIT_HEADS),
+                    "new heads start as copies of head 1 or from the model's initialiser",
+                    flag_values=fv)
 
 
 def _define_export(fv: flags.FlagValues) -> None:
@@ -40,6 +51,9 @@ COMMANDS = {
     "deepseek": commandline.Command(
         "import dense Llama + DeepSeek-V3 MTP layers, HF safetensors, into a workdir",
         _define_import, ("ckpt", "out")),
+    "from-hf": commandline.Command(
+        "add MTP heads to a HF LlamaForCausalLM (safetensors): head 1 is the HF model",
+        _define_from_hf, ("ckpt", "out", "n_future", "heads")),
     "to-hf": commandline.Command("export trunk + head 1 as a HF LlamaForCausalLM",
                                  _define_export, ("workdir", "out")),
 }
@@ -55,8 +69,13 @@ def main(argv=None) -> int:
       hf = workdir.export_hf(fv.workdir, fv.out)
       print(f"wrote {fv.out}: LlamaForCausalLM, {hf['num_hidden_layers']} layers")
       return 0
-    fn = workdir.import_meta if command == "meta" else workdir.import_deepseek
-    c = fn(fv.ckpt, fv.out, tokenizer=fv.tokenizer, max_len=fv.max_len, dtype=fv.dtype)
+    if command == "from-hf":
+      c = from_hf.import_hf(fv.ckpt, fv.out, n_future=fv.n_future, heads=fv.heads,
+                            init_heads=fv.init_heads, tokenizer=fv.tokenizer,
+                            max_len=fv.max_len, dtype=fv.dtype)
+    else:
+      fn = workdir.import_meta if command == "meta" else workdir.import_deepseek
+      c = fn(fv.ckpt, fv.out, tokenizer=fv.tokenizer, max_len=fv.max_len, dtype=fv.dtype)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

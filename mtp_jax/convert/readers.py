@@ -74,7 +74,9 @@ class MetaShards:
 
 
 class Safetensors:
-  """The files model.safetensors.index.json names, else every *.safetensors; memory-mapped."""
+  """The files model.safetensors.index.json names, else every *.safetensors; memory-mapped.
+  bfloat16 tensors (most released Llama checkpoints) are widened to float32 here: safetensors'
+  numpy reader refuses them (numpy has no bfloat16)."""
 
   def __init__(self, ckpt: str):
     from safetensors import safe_open  # pylint: disable=import-outside-toplevel
@@ -82,15 +84,19 @@ class Safetensors:
     if os.path.isfile(index):
       names = set(read_json(index, "index")["weight_map"].values())
       files = sorted(os.path.join(ckpt, name) for name in names)
+      for path in files:
+        if not os.path.isfile(path):
+          raise ValueError(f"--ckpt: shard {os.path.basename(path)!r}, named in "
+                           f"model.safetensors.index.json, is not in {ckpt!r}")
     else:
       files = sorted(glob.glob(os.path.join(ckpt, "*.safetensors")))
     if not files:
       raise ValueError(f"--ckpt: no *.safetensors in {ckpt!r}")
-    self._where = {}
+    self._where, self._path = {}, {}
     for path in files:
       f = safe_open(path, framework="numpy")
       for key in f.keys():
-        self._where[key] = f
+        self._where[key], self._path[key] = f, path
 
   def keys(self) -> Iterable[str]:
     return self._where.keys()
@@ -99,4 +105,17 @@ class Safetensors:
     return tuple(self._where[key].get_slice(key).get_shape())
 
   def get(self, key: str) -> np.ndarray:
+    if self._where[key].get_slice(key).get_dtype() == "BF16":
+      return _bf16_tensor(self._path[key], key)
     return np.asarray(self._where[key].get_tensor(key), np.float32)
+
+
+def _bf16_tensor(path: str, key: str) -> np.ndarray:
+  """A BF16 tensor of a safetensors file as float32, read from the file's own layout (8-byte
+  header size, JSON header, raw little-endian data): bfloat16 is float32's upper half."""
+  with open(path, "rb") as f:
+    n = int.from_bytes(f.read(8), "little")
+    info = json.loads(f.read(n))[key]
+  start, end = info["data_offsets"]
+  raw = np.memmap(path, np.uint16, "r", offset=8 + n + start, shape=((end - start) // 2,))
+  return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])

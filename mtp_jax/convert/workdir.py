@@ -121,6 +121,31 @@ def import_meta(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 0,
   return c
 
 
+def hf_llama_fields(hf: dict, m: ml_collections.ConfigDict, refused: str) -> None:
+  """config.model `m` from a HF Llama config.json `hf` (transformers 4 or 5 spelling): sizes,
+  GQA, norm eps, rope_theta, tied embeddings. What mtp_jax's blocks cannot compute (RoPE
+  scaling, biases, another activation, a head_dim of its own) is refused, `refused` saying why."""
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
+  if rope.get("rope_type", rope.get("type", "default")) != "default":
+    raise ValueError(f"--ckpt: config.json asks for {rope.get('rope_type', rope.get('type'))!r} "
+                     "RoPE scaling, which mtp_jax's RoPE does not have")
+  if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
+    raise ValueError(f"--ckpt: config.json asks for biases or a non-SiLU MLP; {refused}")
+  try:
+    m.d_model, m.n_layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
+    m.n_heads, m.d_ff = int(hf["num_attention_heads"]), int(hf["intermediate_size"])
+    m.vocab_size = int(hf["vocab_size"])
+  except KeyError as e:
+    raise ValueError(f"--ckpt: config.json has no {e.args[0]!r}") from None
+  if hf.get("head_dim") not in (None, m.d_model // m.n_heads):
+    raise ValueError(f"--ckpt: config.json head_dim {hf['head_dim']} != hidden_size / "
+                     "num_attention_heads, which mtp_jax's attention assumes")
+  m.n_kv_heads = int(hf.get("num_key_value_heads") or m.n_heads)
+  m.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
+  m.rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+  m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
+
+
 def import_deepseek(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 0,
                     dtype: str = "float32") -> ml_collections.ConfigDict:
   """Dense Llama + DeepSeek-V3 MTP layers in HF safetensors layout -> workdir `out`."""
@@ -136,27 +161,9 @@ def import_deepseek(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 
     for patterns, what in ((_MOE, "a Mixture-of-Experts"), (_MLA, "an MLA attention")):
       if any(s in key for s in patterns):
         raise ValueError(f"--ckpt: tensor {key!r} belongs to {what} block; {dense_only}")
-  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
-  if rope.get("rope_type", rope.get("type", "default")) != "default":
-    raise ValueError(f"--ckpt: config.json asks for {rope.get('rope_type', rope.get('type'))!r} "
-                     "RoPE scaling, which mtp_jax's RoPE does not have")
-  if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
-    raise ValueError(f"--ckpt: config.json asks for biases or a non-SiLU MLP; {dense_only}")
   c = config_lib.base_config()
+  hf_llama_fields(hf, c.model, dense_only)
   m = c.model
-  try:
-    m.d_model, m.n_layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
-    m.n_heads, m.d_ff = int(hf["num_attention_heads"]), int(hf["intermediate_size"])
-    m.vocab_size = int(hf["vocab_size"])
-  except KeyError as e:
-    raise ValueError(f"--ckpt: config.json has no {e.args[0]!r}") from None
-  if hf.get("head_dim") not in (None, m.d_model // m.n_heads):
-    raise ValueError(f"--ckpt: config.json head_dim {hf['head_dim']} != hidden_size / "
-                     "num_attention_heads, which mtp_jax's attention assumes")
-  m.n_kv_heads = int(hf.get("num_key_value_heads") or m.n_heads)
-  m.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
-  m.rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-  m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
   m.n_future = 1 + int(hf.get("num_nextn_predict_layers") or 0)
   m.max_len = max_len or int(hf.get("max_position_embeddings", 4096))
   m.heads.kind, m.heads.seq_preset = "sequential", "deepseek_v3"

@@ -1,0 +1,146 @@
+"""Add multi-token-prediction heads to a pretrained next-token model: a Hugging Face
+`LlamaForCausalLM` (safetensors) becomes a workdir whose head 1 is the HF model, exactly, and
+whose heads 2..n are new, to be fine-tuned (`train.init_from`, `optim.trainable = "heads"`).
+
+  python -m mtp_jax.convert from-hf --ckpt DIR --out WORKDIR --n_future 4 \\
+      --heads parallel|projection|sequential [--init_heads copy|random] [--dtype bfloat16]
+
+Where head 1 comes from, per kind (heads.py):
+  parallel    Gloeckle et al. 2024 §2 / Meta's layout: the last HF layer is head 1's block, the
+              trunk is the layers before it; `copy` starts heads 2..n as copies of that block.
+  projection  head 1 is the whole HF model; heads 2..n are residual MLPs.
+  sequential  DeepSeek-V3 MTP modules (arXiv 2412.19437 §2.2) after the whole HF model.
+
+`copy` (the default) starts every new head predicting what head 1 predicts, so the first
+fine-tuning steps start from the next-token model's loss on shifted targets instead of a
+random head's log V: parallel copies the block; projection zeroes each MLP's output matrix
+(z + 0 = z); sequential zeroes each depth block's output matrices (attention wo, MLP w2) and
+makes eh_proj pass the (normed) trunk state through, so depth k reads head 1's state (up to the
+softmax temperature its own output norm sets). `random` keeps the model's own initialiser.
+The zeroed matrices still get gradients at step one (their inputs are not zero).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import flax.linen as nn
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import traverse_util
+
+from mtp_jax import config as config_lib
+from mtp_jax.convert.layouts import check_tensors, llama_entries, param_shapes, read_params
+from mtp_jax.convert.readers import Safetensors, read_json
+from mtp_jax.convert.workdir import check_out, hf_llama_fields, prepare_config, write_workdir
+from mtp_jax.model import build_model
+
+INIT_HEADS = ("copy", "random")
+_LLAMA_ONLY = "from-hf reads a plain LlamaForCausalLM only"
+
+
+def _tokenizer(ckpt: str, given: str) -> str:
+  """--tokenizer, else the checkpoint's tokenizer.model, else "" (the byte tokenizer). A
+  tokenizer.json alone (HF `tokenizers`, e.g. Llama 3's BPE) is refused: mtp_jax reads byte and
+  SentencePiece tokenizers only, and training the model on another tokenizer's ids is noise."""
+  if given:
+    return given
+  if os.path.isfile(os.path.join(ckpt, "tokenizer.model")):
+    return os.path.join(ckpt, "tokenizer.model")
+  if os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
+    raise ValueError(f"--ckpt: {ckpt} has a tokenizer.json (HF tokenizers) and no "
+                     "tokenizer.model; mtp_jax reads SentencePiece models only: pass "
+                     "--tokenizer PATH.model")
+  return ""
+
+
+def hf_config(ckpt: str, n_future: int, heads: str, max_len: int) -> ml_collections.ConfigDict:
+  """The config of `ckpt` (its config.json) with `n_future` heads of kind `heads`, before
+  `prepare_config` (tokenizer, validation)."""
+  hf = read_json(os.path.join(ckpt, "config.json"), "config.json")
+  arch = hf.get("architectures") or []
+  if hf.get("model_type") != "llama" or arch not in ([], ["LlamaForCausalLM"]):
+    raise ValueError(f"--ckpt: config.json describes {', '.join(arch) or 'no architecture'} "
+                     f"(model_type {hf.get('model_type')!r}); {_LLAMA_ONLY}")
+  if heads not in config_lib.HEAD_KINDS:
+    raise ValueError(f"--heads: got {heads!r}, allowed: "
+                     + ", ".join(map(repr, config_lib.HEAD_KINDS)))
+  if n_future < 2:
+    raise ValueError(f"--n_future: must be >= 2 (head 1 is the HF model), got {n_future}")
+  c = config_lib.base_config()
+  m = c.model
+  hf_llama_fields(hf, m, _LLAMA_ONLY)
+  m.max_len = max_len or int(hf.get("max_position_embeddings", 4096))
+  m.n_future, m.heads.kind = n_future, heads
+  if heads == "parallel":  # matched layout: the last HF layer is head 1's block
+    m.n_layers += n_future - 1
+  return c
+
+
+def _zero(tree: dict, *path: str) -> None:
+  leaf = tree
+  for p in path[:-1]:
+    leaf = leaf[p]
+  leaf[path[-1]] = np.zeros_like(leaf[path[-1]])
+
+
+def new_heads(config: ml_collections.ConfigDict, params: dict, init_heads: str) -> dict:
+  """params["heads"] with heads 2..n initialised (see the module docstring); head 1's own
+  params, if any (parallel blocks[0]), are already in `params`."""
+  model = build_model(config)
+  a = model.args
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  # Only the heads subtree is an output, so XLA drops the trunk's initialisers.
+  fresh = jax.jit(lambda r: nn.unbox(model.init(r, tokens)["params"])["heads"])
+  out = jax.tree.map(np.array, jax.device_get(fresh(jax.random.PRNGKey(config.seed))))
+  if a.head_kind == "parallel":
+    flat = traverse_util.flatten_dict(out["blocks"])
+    for path, x_1x_ in traverse_util.flatten_dict(params["heads"]["blocks"]).items():
+      flat[path][0] = x_1x_[0]
+      if init_heads == "copy":
+        flat[path][1:] = x_1x_[0]
+    out["blocks"] = traverse_util.unflatten_dict(flat)
+  elif init_heads == "copy" and a.head_kind == "projection":
+    _zero(out, "mlps", "down", "kernel")
+  elif init_heads == "copy" and a.head_kind == "sequential":
+    d = out["depths"]
+    _zero(d, "block", "attention", "wo", "kernel")
+    _zero(d, "block", "feed_forward", "w2", "kernel")
+    eh = np.zeros_like(d["eh_proj"]["kernel"])  # [depths, 2D, D]: rows of [emb; h] or [h; emb]
+    h_rows = slice(a.d_model, None) if a.seq_concat == "emb_first" else slice(0, a.d_model)
+    eh[:, h_rows] = np.eye(a.d_model, dtype=eh.dtype)
+    d["eh_proj"]["kernel"] = eh
+  return out
+
+
+def import_hf(ckpt: str, out: str, *, n_future: int, heads: str, init_heads: str = "copy",
+              tokenizer: str = "", max_len: int = 0, dtype: str = "float32"
+              ) -> ml_collections.ConfigDict:
+  """HF LlamaForCausalLM `ckpt` (config.json, model.safetensors or shards with their index) ->
+  workdir `out` with `n_future` heads of kind `heads`. Nothing is written unless every tensor
+  is there with its shape."""
+  check_out(out)
+  if init_heads not in INIT_HEADS:
+    raise ValueError(f"--init_heads: got {init_heads!r}, allowed: 'copy', 'random'")
+  c = hf_config(ckpt, n_future, heads, max_len)
+  source = Safetensors(ckpt)
+  prepare_config(c, _tokenizer(ckpt, tokenizer), ckpt)
+  args, shapes = param_shapes(c)
+  entries = llama_entries(args)
+  optional = {k for k in source.keys() if k.endswith("rotary_emb.inv_freq")}
+  if args.tie_embeddings:
+    optional.add("lm_head.weight")  # saved by some tied checkpoints; HF ignores it when tied
+  check_tensors(source, entries, shapes, ckpt, "Llama", optional=optional)
+  # Fill what the checkpoint holds (head 1's own block, parallel, goes to blocks[0] of a
+  # one-block stack: the rest of the stack is new_heads' business).
+  filled = {p: s for p, s in shapes.items() if p[0] != "heads"}
+  if args.head_kind == "parallel":
+    filled.update({p: jax.ShapeDtypeStruct((1,) + s.shape[1:], s.dtype)
+                   for p, s in shapes.items() if p[:2] == ("heads", "blocks")})
+  dt = jnp.dtype(dtype)
+  params = read_params(source, entries, filled, dt)
+  params["heads"] = jax.tree.map(lambda x: x.astype(dt), new_heads(c, params, init_heads))
+  write_workdir(out, c, params)
+  return c

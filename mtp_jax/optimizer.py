@@ -3,9 +3,10 @@ warmup then cosine / linear / constant, and `optax.apply_if_finite` so a step wh
 are not finite is skipped (params and moments untouched) and counted.
 
 `optim.trainable = "heads"` (Medusa-style heads on a frozen next-token model; Gloeckle et al.
-2024's fine-tuning experiments train the whole model instead, "all") trains heads 2..n only: every other leaf
-goes to `optax.set_to_zero` through `optax.multi_transform`, so it has no optimizer state and
-its update is exactly zero (the params stay bit-identical). A stack that holds head 1 too
+2024's fine-tuning experiments train the whole model instead, "all") trains heads 2..n only:
+every other leaf goes to `optax.set_to_zero` through `optax.multi_transform`, so it has no
+optimizer state and its update is exactly zero (steps.apply_updates then leaves the params
+bit-identical, signed zeros included). A stack that holds head 1 too
 (parallel heads: blocks[0] is head 1's block) is trained as a whole leaf with the frozen slots'
 gradients and updates zeroed (`freeze_slots`): one block's moments are allocated, never used.
 """

@@ -162,6 +162,14 @@ def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
   return grad_fn
 
 
+def apply_updates(params, updates):
+  """optax.apply_updates, except that a zero update leaves the parameter as it was: p + 0.0
+  turns a -0.0 into +0.0, and frozen parameters (optim.trainable = "heads") must stay
+  bit-identical."""
+  return jax.tree.map(lambda p, u: jnp.where(u == 0, p, (p + u).astype(p.dtype)), params,
+                      updates)
+
+
 def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
   """Pure (state, batch) -> (state, metrics): gradients (`make_grad_fn`), the optax update, and
   the non-finite-step counts of `optax.apply_if_finite`."""
@@ -174,7 +182,7 @@ def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
     poison = jnp.any(nan_steps == state.step)
     grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = apply_updates(state.params, updates)
     consecutive, total = optim_lib.nonfinite_counts(opt_state)
     metrics = dict(metrics, grad_norm=optax.tree.norm(grads),
                    nonfinite_consecutive=consecutive, nonfinite_total=total)

@@ -156,12 +156,13 @@ def test_heads_only_finetuning(ckpts, tmp_path, capsys):
   flat = lambda p: {"/".join(k): np.asarray(v) for k, v in flatten_dict(p).items()}
   p0, p1 = flat(before.params), flat(after.params)
   assert sorted(p0) == sorted(p1)
+  bits = lambda x: np.ascontiguousarray(x).tobytes()  # bit-identical, signed zeros included
   for name in p0:
     if name.startswith("heads/blocks/"):
-      np.testing.assert_array_equal(p1[name][0], p0[name][0], err_msg=name)  # head 1's block
+      assert bits(p1[name][0]) == bits(p0[name][0]), name  # head 1's block
       assert not np.array_equal(p1[name][1:], p0[name][1:]), name
     else:
-      np.testing.assert_array_equal(p1[name], p0[name], err_msg=name)
+      assert bits(p1[name]) == bits(p0[name]), name
 
   batch = next(iter(pipeline.make_iterator(c, "validation", repeat=False)))
   m0 = loss_lib.model_loss(before.params, before.model, c, batch)[1]["head_loss"]
@@ -270,3 +271,12 @@ def test_heads_only_allocates_no_state_for_frozen_params(kind, make_config, make
         assert np.all(u[0] == 0), path
     else:
       assert not np.any(u), path
+
+
+def test_zero_update_keeps_signed_zeros():
+  """optax.apply_updates would turn a frozen -0.0 into +0.0 (p + 0.0)."""
+  from mtp_jax import steps  # pylint: disable=import-outside-toplevel
+  p = {"w": np.array([-0.0, 1.0, -2.0], np.float32)}
+  u = {"w": np.array([0.0, 0.5, 0.0], np.float32)}
+  out = np.asarray(steps.apply_updates(p, u)["w"])
+  assert out.tobytes() == np.array([-0.0, 1.5, -2.0], np.float32).tobytes()

@@ -11,6 +11,7 @@ greedy equals a no-cache reference loop; seeds and rows; the rule by hand; the C
 
 from __future__ import annotations
 
+import functools
 import itertools
 import subprocess
 import sys
@@ -34,14 +35,19 @@ KINDS = ("parallel", "projection", "sequential")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def model(request):
-  c = tiny_config(request.param, n_future=K)
+@functools.lru_cache(maxsize=None)
+def make(kind: str):
+  c = tiny_config(kind, n_future=K)
   c.model.vocab_size = V
   m, params = tiny_model(c, seed=3)
-  # Sharper than a random init's near-uniform heads, so p and q differ and the test has power.
+  # A little sharper than the random init, so that drafts are often rejected and often accepted.
   params = jax.tree.map(lambda x: x * 1.3 if x.ndim == 2 else x, params)
   return m, params
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request):
+  return make(request.param)
 
 
 def exact_distribution(m, params, sp: sampling.Params) -> np.ndarray:
@@ -102,10 +108,8 @@ def test_speculative_sampling_is_exact_in_distribution(model):
     assert r.accepted_hist[-1] > 0.01 * total, r.accepted_hist  # the second draft too
 
 
-def test_plain_sampling_is_exact_in_distribution(model):
-  m, params = model
-  if m.args.head_kind != "parallel":
-    pytest.skip("head 1 alone: one kind is enough")
+def test_plain_sampling_is_exact_in_distribution():
+  m, params = make("parallel")  # head 1 alone: one kind is enough
   sp = SETTINGS[1]
   r = sample_rows(m, params, k=1, seed=5, **sp)
   assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Params(**sp))) > 1e-3
@@ -127,13 +131,131 @@ def resample_from_p(drafts_BxK1, p_BxKxV, q_BxK1xV, u_BxK):
 
 
 @pytest.mark.parametrize("wrong", [always_accept, resample_from_p])
-def test_chi_square_rejects_a_wrong_rule(model, monkeypatch, wrong):
+def test_chi_square_rejects_a_wrong_rule(monkeypatch, wrong):
   """The test above has power: the same statistic at the same sample size rejects wrong rules."""
-  m, params = model
-  if m.args.head_kind != "parallel":
-    pytest.skip("one kind shows the power")
+  m, params = make("parallel")
   monkeypatch.setattr(sampling, "accept_sampled", wrong)
   sp = SETTINGS[0]
   # One row more than above: a new shape, so the loop is traced again with the wrong rule.
   r = sample_rows(m, params, k=K, n=N + 1, **sp)
   assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Params(**sp))) < 1e-6
+
+
+# accept_sampled by hand. V = 3, k = 3: drafts d1, d2 drawn from q1, q2; head 1's p at slots 0..2.
+P3 = [[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0]]
+Q2 = [[0.25, 0.75, 0.0], [0.5, 0.5, 0.0]]
+# (name, drafts, uniforms (accept d1, accept d2, draw), (m, next))
+RULE_CASES = [
+    # p0(0)/q1(0) = 2: always accepted; p1(1)/q2(1) = 0.6: u = 0.5 accepts; bonus from p2 = {2}.
+    ("both_accepted", [0, 1], [0.99, 0.5, 0.3], (2, 2)),
+    # d2 rejected (u = 0.7 >= 0.6): residual max(0, p1 - q2) = (0, 0, 0.5) -> token 2.
+    ("second_rejected", [0, 1], [0.99, 0.7, 0.0], (1, 2)),
+    # p0(1)/q1(1) = 2/3: u = 0.7 rejects; residual (0.25, 0, 0) -> token 0 whatever u.
+    ("first_rejected", [1, 1], [0.7, 0.0, 0.99], (0, 0)),
+    ("first_accepted_at_two_thirds", [1, 0], [0.6, 0.1, 0.0], (2, 2)),
+    # p1(0)/q2(0) = 0.4: u = 0.39 accepts, 0.41 rejects -> residual (0, 0, 0.5): token 2.
+    ("ratio_below_one", [0, 0], [0.0, 0.39, 0.0], (2, 2)),
+    ("ratio_below_one_rejected", [0, 0], [0.0, 0.41, 0.0], (1, 2)),
+]
+
+
+def test_accept_sampled_hand_worked_cases():
+  names, drafts, u, want = zip(*RULE_CASES)
+  B = len(names)
+  m, nxt = sampling.accept_sampled(np.asarray(drafts, np.int32),
+                                   np.broadcast_to(np.float32(P3), (B, 3, 3)),
+                                   np.broadcast_to(np.float32(Q2), (B, 2, 3)),
+                                   np.asarray(u, np.float32))
+  for name, w, got in zip(names, want, zip(np.asarray(m).tolist(), np.asarray(nxt).tolist())):
+    assert got == w, (name, got, w)
+  # Gained tokens: d1..dm, then next.
+  np.testing.assert_array_equal(
+      sampling.gained(np.asarray([[5, 6], [5, 6], [5, 6]], np.int32), np.asarray([0, 1, 2]),
+                      np.asarray([9, 9, 9])), [[9, 9, 9], [5, 9, 9], [5, 6, 9]])
+
+
+def test_draw_and_truncation_by_hand():
+  p = np.float32([[0.1, 0.0, 0.6, 0.3]])
+  # cumulative 0.1, 0.1, 0.7, 1.0: u picks the first token whose cumulative mass exceeds u.
+  got = [int(sampling.draw(p, np.float32([u]))[0]) for u in (0.0, 0.099, 0.101, 0.69, 0.71, 0.9999)]
+  assert got == [0, 0, 2, 2, 3, 3]  # token 1, of mass 0, never
+  lg = np.log(np.float32([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+  sp = lambda t, k, p: sampling.Params(np.float32(t), np.int32(k), np.float32(p))
+  np.testing.assert_allclose(sampling.probs(lg, sp(1, 0, 1)), [[0.5, 0.2, 0.15, 0.1, 0.05]],
+                             rtol=1e-6)
+  np.testing.assert_allclose(sampling.probs(lg, sp(1, 2, 1)), [[5 / 7, 2 / 7, 0, 0, 0]], rtol=1e-6)
+  # top_p 0.8: mass before each token 0, 0.5, 0.7, 0.85: the first three stay.
+  np.testing.assert_allclose(sampling.probs(lg, sp(1, 0, 0.8)), [[0.5 / 0.85, 0.2 / 0.85,
+                                                                   0.15 / 0.85, 0, 0]], rtol=1e-6)
+  # top-k first, then top-p on the renormalised rest: 5/7 >= 0.7 alone.
+  np.testing.assert_allclose(sampling.probs(lg, sp(1, 2, 0.7)), [[1, 0, 0, 0, 0]], rtol=1e-6)
+  # temperature 2: p ~ sqrt(p); temperature 0: one-hot on the argmax.
+  s = np.sqrt([0.5, 0.2, 0.15, 0.1, 0.05])
+  np.testing.assert_allclose(sampling.probs(lg, sp(2, 0, 1))[0], s / s.sum(), rtol=1e-5)
+  np.testing.assert_array_equal(sampling.probs(lg, sp(0, 3, 0.5)), [[1, 0, 0, 0, 0]])
+
+
+# Greedy: temperature 0 (either program) equals a no-cache reference, ragged prompts, every kind.
+RAGGED = [[3], [5, 1, 7, 2, 6, 4], [2, 2]]
+MAX_NEW = 8
+
+
+def reference_greedy(m, params, prompts, max_new):
+  """Full forward over the growing sequence (no cache), head 1's argmax at the last token."""
+  L = max(len(p) for p in prompts) + max_new
+  fwd = jax.jit(lambda p, t: logits(p, m.args, m.apply({"params": p}, t)[0][:1])[0])
+  seqs = np.full((len(prompts), L), PAD, np.int32)
+  lens = np.asarray([len(p) for p in prompts])
+  for b, p in enumerate(prompts):
+    seqs[b, :len(p)] = p
+  for _ in range(max_new):
+    lg = np.asarray(fwd(params, seqs))
+    nxt = lg[np.arange(len(prompts)), lens - 1].argmax(-1)
+    seqs[np.arange(len(prompts)), lens] = nxt
+    lens = lens + 1
+  return np.stack([seqs[b, len(p):len(p) + max_new] for b, p in enumerate(prompts)])
+
+
+def test_greedy_equals_no_cache_reference_and_temperature_zero(model):
+  m, params = model
+  want = reference_greedy(m, params, RAGGED, MAX_NEW)
+  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
+  for k in (1, K):
+    np.testing.assert_array_equal(decode_lib.decode(params, m.args, RAGGED, k=k, **kw).tokens,
+                                  want)
+  # The sampling program at temperature 0 (any top-k, top-p, seed) is greedy too.
+  sampler = decode_lib.Decoder(params, m.args, k=K, batch=3, prompt_len=6,
+                               max_new_tokens=MAX_NEW, sampling=True)
+  r = sampler(RAGGED, eos_id=-1, pad_id=PAD, temperature=0.0, top_k=3, top_p=0.5, seed=7)
+  np.testing.assert_array_equal(r.tokens, want)
+
+
+def test_seeds_and_rows():
+  m, params = make("sequential")
+  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD, k=K, temperature=1.0)
+  prompts = decode_lib.repeat([[3, 1], [5]], 4)
+  assert prompts == [[3, 1]] * 4 + [[5]] * 4
+  a = decode_lib.decode(params, m.args, prompts, seed=0, **kw)
+  b = decode_lib.decode(params, m.args, prompts, seed=0, **kw)
+  np.testing.assert_array_equal(a.tokens, b.tokens)  # same seed, same output
+  assert len({tuple(row) for row in a.tokens[:4]}) == 4  # the samples of a prompt differ
+  c = decode_lib.decode(params, m.args, prompts, seed=1, **kw)
+  assert not np.array_equal(a.tokens, c.tokens)
+  # Row 0's sample depends on (seed, row 0, its prompt), not on the other rows or batch size.
+  other = decode_lib.decode(params, m.args, [[3, 1], [7, 7], [2]], seed=0, **kw)
+  alone = decode_lib.decode(params, m.args, [[3, 1]], seed=0, **kw)
+  np.testing.assert_array_equal(other.tokens[0], a.tokens[0])
+  np.testing.assert_array_equal(alone.tokens[0], a.tokens[0])
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(temperature=-0.1), "--temperature"), (dict(temperature=float("nan")), "--temperature"),
+    (dict(temperature=float("inf")), "--temperature"), (dict(top_p=0.0), "--top_p"),
+    (dict(top_p=1.5), "--top_p"), (dict(top_k=-1), "--top_k"), (dict(seed=-1), "--seed"),
+])
+def test_bad_sampling_arguments(kw, flag):
+  m, params = make("projection")
+  with pytest.raises(ValueError, match=f"^{flag}: "):
+    decode_lib.decode(params, m.args, [[1]], k=2, max_new_tokens=2, eos_id=-1, pad_id=PAD, **kw)
+  with pytest.raises(ValueError, match="^--num_samples: "):
+    decode_lib.repeat([[1]], 0)

@@ -133,13 +133,13 @@ class DecodeState:
 
 
 def _draft_dists(h_kxBxSxD, W_DxV, slot_B, sp):
-  """[B, k-1, V]: heads 2..k's sampling distributions at each row's slot (computed over every
-  slot, as `sampling.chain_reads` does, so a sequential chain draws the same drafts)."""
+  """[B, k-1, V]: heads 2..k's sampling distributions at each row's slot (logits as
+  `sampling.chain_reads` computes them, so a sequential chain draws the same drafts)."""
   rows_B = jnp.arange(slot_B.shape[0])
   if h_kxBxSxD.shape[0] == 1:
     return jnp.zeros((slot_B.shape[0], 0, W_DxV.shape[1]), jnp.float32)
-  return jnp.stack([sampling_lib.probs(sampling_lib.head_logits(h_BxSxD, W_DxV), sp)[rows_B, slot_B]
-                    for h_BxSxD in h_kxBxSxD[1:]], axis=1)
+  return jnp.stack([sampling_lib.probs(sampling_lib.head_logits(h_BxSxD, W_DxV)[rows_B, slot_B],
+                                       sp) for h_BxSxD in h_kxBxSxD[1:]], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("args", "max_new_tokens", "sample"))

@@ -52,24 +52,26 @@ def head_logits(h_BxSxD, unembed_DxV) -> jax.Array:
 def probs(logits_xV, sp: Params) -> jax.Array:
   """The distribution sampled from: softmax(logits / temperature), then top-k, then top-p
   (nucleus: the most likely tokens whose mass before them is < top_p), renormalised; as HF
-  `generate` and vLLM order them. Temperature 0: one-hot on the argmax (greedy)."""
+  `generate` and vLLM order them (ties with the last kept token are kept). Temperature 0:
+  one-hot on the argmax (greedy). One sort, and none when neither truncation is on."""
   V = logits_xV.shape[-1]
   greedy_xV = jax.nn.one_hot(jnp.argmax(logits_xV, axis=-1), V, dtype=jnp.float32)
   z_xV = logits_xV.astype(jnp.float32) / jnp.maximum(sp.temperature, 1e-30)
-  desc_xV = -jnp.sort(-z_xV, axis=-1)
-  kth_x1 = jnp.take(desc_xV, jnp.clip(sp.top_k - 1, 0, V - 1), axis=-1)[..., None]
-  z_xV = jnp.where((sp.top_k > 0) & (z_xV < kth_x1), -jnp.inf, z_xV)
-  p_xV = jax.nn.softmax(z_xV, axis=-1)
-  # Nucleus: in descending order keep a token while the mass before it is < top_p; the
-  # smallest kept probability is the threshold (ties with it are kept, as top-k keeps ties).
-  sorted_xV = -jnp.sort(-p_xV, axis=-1)
-  keep_sorted_xV = jnp.cumsum(sorted_xV, axis=-1) - sorted_xV < sp.top_p
-  n_keep_x = jnp.maximum(jnp.sum(keep_sorted_xV, axis=-1), 1)
-  thr_x1 = jnp.take_along_axis(sorted_xV, (n_keep_x - 1)[..., None], axis=-1)
-  keep_xV = (p_xV >= thr_x1) | (sp.top_p >= 1)
-  p_xV = jnp.where(keep_xV, p_xV, 0.0)
-  p_xV = p_xV / jnp.sum(p_xV, axis=-1, keepdims=True)
-  return jnp.where(sp.temperature > 0, p_xV, greedy_xV)
+
+  def truncate(z_xV):
+    desc_xV = -jnp.sort(-z_xV, axis=-1)
+    n_x = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)  # top-k: the first n sorted
+    in_k_xV = jnp.arange(V) < n_x[..., None]
+    sorted_p_xV = jax.nn.softmax(jnp.where(in_k_xV, desc_xV, -jnp.inf), axis=-1)
+    # Nucleus on the renormalised top-k: keep while the mass before a token is < top_p.
+    keep_xV = in_k_xV & ((jnp.cumsum(sorted_p_xV, axis=-1) - sorted_p_xV < sp.top_p)
+                         | (sp.top_p >= 1))
+    n_x = jnp.maximum(jnp.sum(keep_xV, axis=-1), 1)
+    thr_x1 = jnp.take_along_axis(desc_xV, (n_x - 1)[..., None], axis=-1)
+    return jnp.where(z_xV >= thr_x1, z_xV, -jnp.inf)
+
+  z_xV = jax.lax.cond((sp.top_k > 0) | (sp.top_p < 1), truncate, lambda z: z, z_xV)
+  return jnp.where(sp.temperature > 0, jax.nn.softmax(z_xV, axis=-1), greedy_xV)
 
 
 def draw(p_xV, u_x) -> jax.Array:

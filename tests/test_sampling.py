@@ -259,3 +259,47 @@ def test_bad_sampling_arguments(kw, flag):
     decode_lib.decode(params, m.args, [[1]], k=2, max_new_tokens=2, eos_id=-1, pad_id=PAD, **kw)
   with pytest.raises(ValueError, match="^--num_samples: "):
     decode_lib.repeat([[1]], 0)
+
+
+# The generate CLI: sampling flags end to end, and bad input as one line, exit 2, nothing printed.
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  from mtp_jax import convert  # pylint: disable=import-outside-toplevel
+  c = tiny_config("sequential", n_future=3)
+  c.model.vocab_size = 259  # the byte tokenizer
+  _, params = tiny_model(c)
+  wd = str(tmp_path_factory.mktemp("gen") / "wd")
+  convert.write_workdir(wd, c, params)
+  return wd
+
+
+def test_generate_cli_samples_in_both_modes(workdir):
+  p = subprocess.run([sys.executable, "-m", "mtp_jax.generate", "--workdir", workdir,
+                      "--prompt", "def f(", "--prompt", "x", "--max_new_tokens", "8", "--mode",
+                      "both", "--temperature", "0.8", "--top_p", "0.95", "--num_samples", "3",
+                      "--seed", "1"], env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT,
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.count("--- prompt") == 6 and "--- prompt 2, sample 3\n" in p.stdout
+  assert "speculative: tokens 48 forwards" in p.stdout and "greedy: tokens 48" in p.stdout
+  assert "sampled (temperature 0.8): tokens/forward speculative" in p.stdout
+  assert "identical" not in p.stdout  # sampled modes are compared by speed, not tokens
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--temperature", "-1"], "--temperature"), (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "inf"], "--temperature"), (["--top_p", "0"], "--top_p"),
+    (["--top_p", "1.01"], "--top_p"), (["--top_k", "-2"], "--top_k"),
+    (["--num_samples", "0"], "--num_samples"), (["--seed", "-5"], "--seed"),
+    (["--prompt", "x" * 30, "--max_new_tokens", "8"], "--max_new_tokens"),  # max_len is 32
+])
+def test_generate_bad_input_one_line_exit_2(workdir, capsys, args, flag):
+  from mtp_jax import generate  # pylint: disable=import-outside-toplevel
+  generate.FLAGS.unparse_flags()
+  generate.FLAGS(["generate", "--workdir", workdir, "--prompt", "x", *args])
+  with pytest.raises(SystemExit) as e:
+    generate.main([])
+  cap = capsys.readouterr()
+  assert e.value.code == 2 and cap.out == ""
+  assert len(cap.err.strip().splitlines()) == 1 and cap.err.startswith(f"error: {flag}: "), cap.err

@@ -178,7 +178,7 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, *, args:
 
   slots_BxN = jnp.maximum(last_P_B[:, None] - jnp.arange(D)[::-1], 0)
   reads = sampling_lib.chain_reads(prefill_known, W_DxV, sp_chain,
-                               u0_BxU[:, k:].T if sample else None, slots_BxN)
+                                   u0_BxU[:, k:].T if sample else None, slots_BxN)
   h_kxBxPxD, cache = apply(prompt_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache, reads)
   if sample:
     first_B = first_token(h_kxBxPxD[0, rows_B, last_P_B])

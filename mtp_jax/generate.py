@@ -130,8 +130,8 @@ def run(workdir: str, texts: list[str], *, max_new_tokens: int, mode: str, heads
             "top_p": top_p, "num_samples": num_samples, "seed": seed,
             "completions": [tok.decode(shown.tokens[r, :shown.lengths[r]])
                             for r in range(len(prompts))]}
-  for name, r in results.items():
-    print(figures_line(name, r), file=out)
+  for name, r in results.items():  # sampled, "greedy" is plain sampling with head 1
+    print(figures_line("plain" if name == "greedy" and temperature > 0 else name, r), file=out)
     report[name] = {"tokens": int(r.lengths.sum()), "forwards": r.forwards,
                     "tokens_per_forward": r.tokens_per_forward, "seconds": r.seconds}
   if mode == "both":

@@ -282,7 +282,7 @@ def test_generate_cli_samples_in_both_modes(workdir):
                      capture_output=True, text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
   assert p.stdout.count("--- prompt") == 6 and "--- prompt 2, sample 3\n" in p.stdout
-  assert "speculative: tokens 48 forwards" in p.stdout and "greedy: tokens 48" in p.stdout
+  assert "speculative: tokens 48 forwards" in p.stdout and "plain: tokens 48" in p.stdout
   assert "sampled (temperature 0.8): tokens/forward speculative" in p.stdout
   assert "identical" not in p.stdout  # sampled modes are compared by speed, not tokens
 

@@ -1,23 +1,29 @@
-"""Self-speculative decoding against greedy decoding on held-out code: a, T1, Tc and S.
+"""Self-speculative decoding against plain decoding on held-out code: a, T1, Tc and S, greedy
+and sampled.
 
     python experiments/bench_decode.py --workdir DIR --json out/bench_decode.json [--png_dir out]
 
 Prompts are windows of real code from the validation split (files the model never trained on).
-For every batch size and prompt length, greedy (head 1 only) and speculative decoding (heads
-1..k) generate the same number of tokens per row (EOS ignored, so the work is fixed), each
-compiled ahead of time (`decode.Decoder`, compile seconds recorded) and timed on a second call:
+For every batch size and prompt length, plain decoding (head 1 only) and speculative decoding
+(heads 1..k) generate the same number of tokens per row (EOS ignored, so the work is fixed), each
+compiled ahead of time (`decode.Decoder`, compile seconds recorded) and timed on a second call;
+greedily, and (unless --temperature 0) sampled with --temperature / --top_p / --top_k, where
+speculative sampling is distributed as plain sampling but its tokens differ:
 
   a            mean tokens gained per verification forward, over rows and cycles
-  T1           greedy seconds per forward (= per token of every row)
-  Tc           speculative seconds per cycle (one forward over [last token + k-1 drafts])
-  S_measured   greedy wall time / speculative wall time, same tokens
-  S_predicted  a * T1 / Tc (BACKGROUND.md §5)
-  identical    every row's output equals greedy's
+  a_batch      plain forwards / speculative forwards: what the slowest row allows the batch
+  T1           plain seconds per forward inside the loop (= per token of every row)
+  Tc           speculative seconds per cycle inside the loop (one forward over k tokens)
+  S_measured   plain wall time / speculative wall time, same tokens
+  S_predicted  a_batch * T1_fwd / Tk_fwd (BACKGROUND.md §5): the cost model, from a one-token
+               and a k-token cached forward timed on their own, outside any loop (the in-loop
+               a * T1 / Tc would equal S_measured by construction)
+  off_by       S_predicted / S_measured - 1
+  identical    greedy rows: every row's output equals greedy's (sampled rows: null)
 
 Also: acceptance by draft position, the teacher-forced agreement of head k with head 1 on the
-same held-out text (what training logs; loops in free generation cannot flatter it), and where
-a cycle's time goes: a k-token window forward against a 1-token forward at the same context
-(verification cost), and the rest of the cycle (acceptance, cache bookkeeping).
+same held-out text (what training logs; loops in free generation cannot flatter it), and the rest
+of a cycle beyond the k-token forward (acceptance, sampling, cache bookkeeping).
 """
 
 from __future__ import annotations
@@ -66,8 +72,8 @@ def teacher_forced_agreement(loaded, batches: int = 4) -> list[float]:
   return (agree / np.maximum(weight, 1)).tolist()
 
 
-def forward_cost(loaded, k: int, batch: int, context: int, reps: int = 5) -> dict:
-  """Seconds of one cached forward over a 1-token and a k-token window at `context`."""
+def forward_cost(loaded, k: int, batch: int, context: int, reps: int = 21) -> dict:
+  """Median seconds of one cached forward over a 1-token and a k-token window at `context`."""
   params_k, args_k = decode_lib.slice_heads(loaded.params, loaded.model.args, k)
   params_1, args_1 = decode_lib.slice_heads(loaded.params, loaded.model.args, 1)
   out = {}
@@ -81,46 +87,51 @@ def forward_cost(loaded, k: int, batch: int, context: int, reps: int = 5) -> dic
     f = jax.jit(lambda p, c: model.apply({"params": p}, toks, positions_BxS=pos, cache=c,
                                          decoding=True))
     jax.block_until_ready(f(p, cache))
-    t = time.perf_counter()
+    times = []
     for _ in range(reps):
+      t = time.perf_counter()
       jax.block_until_ready(f(p, cache))
-    out[name] = (time.perf_counter() - t) / reps
+      times.append(time.perf_counter() - t)
+    out[name] = float(np.median(times))  # the median: robust to a busy machine
   return out
 
 
-def run_case(loaded, prompts, k, max_new):
+def run_case(loaded, prompts, k, max_new, sample_kw=None):
+  """Plain (k = 1) against speculative decoding of the same prompts; sample_kw: sampling
+  arguments of `Decoder.__call__` (None: greedy)."""
   shape = dict(batch=len(prompts), prompt_len=max(len(p) for p in prompts),
-               max_new_tokens=max_new)
-  greedy = decode_lib.Decoder(loaded.params, loaded.model.args, k=1, **shape)
+               max_new_tokens=max_new, sampling=bool(sample_kw))
+  plain = decode_lib.Decoder(loaded.params, loaded.model.args, k=1, **shape)
   spec = decode_lib.Decoder(loaded.params, loaded.model.args, k=k, **shape)
-  ids = dict(eos_id=-1, pad_id=loaded.tokenizer.pad_id)
+  ids = dict(eos_id=-1, pad_id=loaded.tokenizer.pad_id, **(sample_kw or {}))
   for _ in range(2):  # compiled already; the first call warms up, the second is timed
-    g, s = greedy(prompts, **ids), spec(prompts, **ids)
+    g, s = plain(prompts, **ids), spec(prompts, **ids)
   T1 = g.seconds / g.forwards
   Tc = s.seconds / s.forwards
-  a = s.tokens_per_forward
   return {
-      "a": a,
+      "mode": "sampled" if sample_kw else "greedy",
+      "sampling": sample_kw or None,
+      "a": s.tokens_per_forward,
       "a_batch": g.forwards / s.forwards,  # what the slowest row allows the whole batch
       "acceptance_by_position": s.acceptance_by_position().tolist(),
       "T1": T1,
       "Tc": Tc,
       "Tc_over_T1": Tc / T1,
       "S_measured": g.seconds / s.seconds,
-      "S_predicted": a * T1 / Tc,
-      "identical": bool(np.array_equal(g.tokens, s.tokens)
-                        and np.array_equal(g.lengths, s.lengths)),
-      "greedy_seconds": g.seconds,
+      "identical": (bool(np.array_equal(g.tokens, s.tokens)
+                         and np.array_equal(g.lengths, s.lengths)) if not sample_kw else None),
+      "greedy_seconds": g.seconds,  # plain decoding (k = 1), greedy or sampled
       "speculative_seconds": s.seconds,
       "greedy_forwards": g.forwards,
       "speculative_forwards": s.forwards,
       "tokens_per_row": max_new,
-      "greedy_compile_seconds": greedy.compile_seconds,
+      "greedy_compile_seconds": plain.compile_seconds,
       "speculative_compile_seconds": spec.compile_seconds,
   }
 
 
 def plots(records, png_dir):
+  records = [r for r in records if r.get("mode", "greedy") == "greedy"]
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -142,7 +153,7 @@ def plots(records, png_dir):
     ax.plot([r["batch"] for r in rs], [r["S_measured"] for r in rs], "o-",
             label=f"S measured, prompt {plen}")
     ax.plot([r["batch"] for r in rs], [r["S_predicted"] for r in rs], "x--",
-            label=f"a*T1/Tc, prompt {plen}")
+            label=f"a*T1 fwd/Tk fwd, prompt {plen}")
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set(xscale="log", xlabel="batch size", ylabel="speed-up over greedy",
          title="Self-speculative speed-up")
@@ -160,7 +171,13 @@ def main():
   ap.add_argument("--prompt_lens", default="64,256")
   ap.add_argument("--max_new_tokens", type=int, default=128)
   ap.add_argument("--heads", type=int, default=None, help="k (default: all heads)")
+  ap.add_argument("--temperature", type=float, default=0.8, help="sampled rows; 0: greedy only")
+  ap.add_argument("--top_p", type=float, default=0.95)
+  ap.add_argument("--top_k", type=int, default=0)
   args = ap.parse_args()
+  modes = [None]
+  if args.temperature > 0:
+    modes.append(dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=0))
   loaded = load_workdir(args.workdir)
   k = args.heads or loaded.model.args.n_future
   agree = teacher_forced_agreement(loaded)
@@ -168,24 +185,27 @@ def main():
   print(f"step {loaded.step}, {loaded.model.args.head_kind} heads, k = {k}, "
         f"{args.max_new_tokens} new tokens per row; teacher-forced agreement with head 1 by "
         f"head: {np.round(agree, 3).tolist()}")
-  print("| batch | prompt | a | acceptance by head | T1 ms | Tc ms | Tc/T1 | S measured | "
-        "S predicted | fwd k / fwd 1 | identical |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  print("| mode | batch | prompt | a | a (batch) | acceptance by head | T1 ms | Tc ms | "
+        "T1 fwd ms | Tk fwd ms | S measured | S predicted | off by | identical |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for plen in [int(x) for x in args.prompt_lens.split(",")]:
     for batch in [int(x) for x in args.batches.split(",")]:
       prompts = heldout_prompts(loaded, batch, plen)
-      r = run_case(loaded, prompts, k, args.max_new_tokens)
       cost = forward_cost(loaded, k, batch, plen + args.max_new_tokens // 2)
-      r.update(batch=batch, prompt_len=plen, heads=k, step=loaded.step,
-               teacher_forced_agreement=agree, backend=jax.devices()[0].platform,
-               forward_1_seconds=cost["forward_1"], forward_k_seconds=cost["forward_k"],
-               cycle_overhead_seconds=r["Tc"] - cost["forward_k"])
-      records.append(r)
-      print(f"| {batch} | {plen} | {r['a']:.2f} | "
-            f"{' '.join(f'{x:.2f}' for x in r['acceptance_by_position'])} | "
-            f"{1e3 * r['T1']:.1f} | {1e3 * r['Tc']:.1f} | {r['Tc_over_T1']:.2f} | "
-            f"{r['S_measured']:.2f} | {r['S_predicted']:.2f} | "
-            f"{cost['forward_k'] / cost['forward_1']:.2f} | {r['identical']} |", flush=True)
+      for sample_kw in modes:
+        r = run_case(loaded, prompts, k, args.max_new_tokens, sample_kw)
+        r.update(batch=batch, prompt_len=plen, heads=k, step=loaded.step,
+                 teacher_forced_agreement=agree, backend=jax.devices()[0].platform,
+                 forward_1_seconds=cost["forward_1"], forward_k_seconds=cost["forward_k"],
+                 S_predicted=r["a_batch"] * cost["forward_1"] / cost["forward_k"],
+                 cycle_overhead_seconds=r["Tc"] - cost["forward_k"])
+        r["off_by"] = r["S_predicted"] / r["S_measured"] - 1
+        records.append(r)
+        print(f"| {r['mode']} | {batch} | {plen} | {r['a']:.2f} | {r['a_batch']:.2f} | "
+              f"{' '.join(f'{x:.2f}' for x in r['acceptance_by_position'])} | "
+              f"{1e3 * r['T1']:.1f} | {1e3 * r['Tc']:.1f} | {1e3 * cost['forward_1']:.1f} | "
+              f"{1e3 * cost['forward_k']:.1f} | {r['S_measured']:.2f} | {r['S_predicted']:.2f} | "
+              f"{100 * r['off_by']:+.0f}% | {r['identical']} |", flush=True)
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

@@ -1,23 +1,31 @@
-"""Greedy decoding and greedy self-speculative decoding with the MTP heads (Gloeckle et al. 2024
-§3.2 and appendix A; blockwise parallel decoding, Stern et al. 2018).
+"""Greedy and sampled decoding, plain and self-speculative with the MTP heads (Gloeckle et al.
+2024 §3.2 and appendix A; blockwise parallel decoding, Stern et al. 2018; speculative sampling,
+Leviathan et al. 2023 and Chen et al. 2023).
 
 One cycle feeds [last accepted token, drafts d_1..d_{k-1}] at positions L..L+k-1 through the
-trunk and heads 1..k with a KV cache. Head 1's argmax g_j at window slot j is the greedy token
-for position L+j+1, so draft d_j is accepted while d_j == g_{j-1}; with m drafts accepted the
-row gains g_0..g_m (m + 1 tokens) and heads 2..k at slot m propose the next drafts. Cache slots
-past the new length hold rejected states; they are never read before being overwritten
-(rollback by length). `greedy` is the same loop with k = 1 and only head 1's parameters, so
-both are measured on the same machinery. Output equals head 1's greedy output token for token.
+trunk and heads 1..k with a KV cache. Head 1 at window slot j gives the token for position
+L+j+1. Greedy: its argmax g_j; draft d_j is accepted while d_j == g_{j-1}; with m drafts accepted
+the row gains g_0..g_m (m + 1 tokens). Sampling (temperature > 0, top-k, top-p;
+`mtp_jax.sampling`): draft d_j was drawn from head j+1's truncated distribution q_j and is
+accepted with probability min(1, p(d_j) / q_j(d_j)), p being head 1's; at the first rejection
+the next token is drawn from normalise(max(0, p - q)), after k-1 acceptances from p (the bonus
+token), so the output is distributed exactly as plain sampling from head 1. Either way heads
+2..k at the last accepted slot propose the next drafts (drawn from their own distributions when
+sampling). Cache slots past the new length hold rejected states; they are never read before
+being overwritten (rollback by length). k = 1 is plain decoding with head 1 only, on the same
+machinery; greedy output equals head 1's greedy output token for token.
 
 The whole loop is one jit: lax.while_loop over a `DecodeState`, static shapes, per-row lengths;
 rows that hit EOS or max_new_tokens stop (their slots are frozen) while the others go on. The
-rule of a cycle is `accept_greedy`, a pure function. `Decoder` compiles the loop ahead of time
-for one batch shape (jax.jit caches the program; nothing here keeps a cache of its own).
+rules of a cycle are pure functions: `accept_greedy` here, `sampling.accept_sampled`. Randomness
+is per row (`sampling.row_keys`), so a row's samples do not depend on the rest of the batch.
+`Decoder` compiles the loop ahead of time for one batch shape (jax.jit caches the program;
+nothing here keeps a cache of its own).
 
-Sequential (DeepSeek-V3) heads decode in chain mode: depth j reads depth j-1's argmax at the
-same position, so one forward yields k-1 chained drafts at the last accepted position; depth 1
-reads head 1's token and is exact, deeper depths' cache entries hold draft-based states (this
-costs acceptance, never exactness).
+Sequential (DeepSeek-V3) heads decode in chain mode: depth j reads x_{t+j} where it is known
+(the prompt at prefill, the accepted drafts and the new token in a cycle: teacher forcing, as in
+training) and otherwise depth j-1's draft at the same position (its argmax, or its draw), so one
+forward yields k-1 chained drafts at the last accepted position (`sampling.chain_reads`).
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import heads
+from mtp_jax import sampling as sampling_lib
 from mtp_jax.config import ModelArgs
-from mtp_jax.model import MTPModel, init_decode_cache, logits
+from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding
 
 
 def check_heads(args: ModelArgs, k: int) -> None:
@@ -88,15 +97,22 @@ def accept_greedy(drafts_BxK1, greedy_BxK, last_B, eos_id, budget_B) -> Accepted
   cut after the first EOS and to the budget (tokens the row may still emit, 0 for a finished
   row)."""
   k = greedy_BxK.shape[1]
-  j_K = jnp.arange(k)
   match_BxK1 = (drafts_BxK1 == greedy_BxK[:, :k - 1]).astype(jnp.int32)
   m_B = jnp.sum(jnp.cumprod(match_BxK1, axis=1), axis=1)
-  eos_BxK = (greedy_BxK == eos_id) & (j_K <= m_B[:, None])
+  return gain(greedy_BxK, m_B, last_B, eos_id, budget_B)
+
+
+def gain(tokens_BxK, m_B, last_B, eos_id, budget_B) -> Accepted:
+  """What a row gains in a cycle with m drafts accepted: tokens[:, :m + 1], cut after the first
+  EOS and to the budget."""
+  k = tokens_BxK.shape[1]
+  j_K = jnp.arange(k)
+  eos_BxK = (tokens_BxK == eos_id) & (j_K <= m_B[:, None])
   n_B = jnp.where(jnp.any(eos_BxK, axis=1), jnp.argmax(eos_BxK, axis=1) + 1, m_B + 1)
   n_B = jnp.minimum(n_B, budget_B)
   eos_B = jnp.any(eos_BxK & (j_K < n_B[:, None]), axis=1)
-  rows_B = jnp.arange(greedy_BxK.shape[0])
-  last_B = jnp.where(n_B > 0, greedy_BxK[rows_B, jnp.maximum(n_B - 1, 0)], last_B)
+  rows_B = jnp.arange(tokens_BxK.shape[0])
+  last_B = jnp.where(n_B > 0, tokens_BxK[rows_B, jnp.maximum(n_B - 1, 0)], last_B)
   return Accepted(m_B, n_B, last_B, eos_B)
 
 
@@ -109,29 +125,71 @@ class DecodeState:
   pos_B: jax.Array  # position of `last`, the newest token, not yet fed
   last_B: jax.Array
   drafts_BxK1: jax.Array  # heads 2..k's proposals for the positions after `last`
+  q_BxK1xV: Any  # sampling: the distributions the drafts were drawn from (greedy: None)
   done_B: jax.Array
   cycles_B: jax.Array  # cycles each row took part in
   hist_K: jax.Array  # how often 0..k-1 drafts were accepted, over row-cycles
   forwards: jax.Array  # prefill + cycles
 
 
-@functools.partial(jax.jit, static_argnames=("args", "max_new_tokens"))
-def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, *, args: ModelArgs,
-            max_new_tokens: int):
+def _draft_dists(h_kxBxSxD, W_DxV, slot_B, sp):
+  """[B, k-1, V]: heads 2..k's sampling distributions at each row's slot (logits as
+  `sampling.chain_reads` computes them, so a sequential chain draws the same drafts)."""
+  rows_B = jnp.arange(slot_B.shape[0])
+  if h_kxBxSxD.shape[0] == 1:
+    return jnp.zeros((slot_B.shape[0], 0, W_DxV.shape[1]), jnp.float32)
+  return jnp.stack([sampling_lib.probs(sampling_lib.head_logits(h_BxSxD, W_DxV)[rows_B, slot_B],
+                                       sp) for h_BxSxD in h_kxBxSxD[1:]], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("args", "max_new_tokens", "sample"))
+def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, *, args: ModelArgs,
+            max_new_tokens: int, sample: bool):
   model = MTPModel(args)
   k = args.n_future
   B, P = prompt_BxP.shape
+  D = max(k - 1, 1)
   rows_B = jnp.arange(B)
+  W_DxV = unembedding(params, args)
   cache = init_decode_cache(args, B, P + max_new_tokens + k, dtype=args.dtype)
-  apply = lambda toks, pos, c: model.apply({"params": params}, toks, positions_BxS=pos,
-                                           cache=c, decoding=True)
+  apply = lambda toks, pos, c, reads: model.apply(
+      {"params": params}, toks, positions_BxS=pos, cache=c, decoding=True, reads=reads)
+  keys_B = sampling_lib.row_keys(seed, B) if sample else None
+  last_P_B = prompt_len_B - 1
+  sp_chain = sp if sample else None
+  # Uniforms of a cycle (and of prefill, at the prompt's last position): [:, :k-1] accept the
+  # drafts, [:, k-1] draws the next token, [:, k:] draw the next drafts.
+  u0_BxU = sampling_lib.uniforms(keys_B, last_P_B, 2 * k - 1) if sample else None
+
+  def first_token(h1_BxD):
+    lg_BxV = sampling_lib.head_logits(h1_BxD[:, None], W_DxV)[:, 0]
+    if not sample:
+      return jnp.argmax(lg_BxV, axis=-1).astype(jnp.int32)
+    return sampling_lib.draw(sampling_lib.probs(lg_BxV, sp), u0_BxU[:, k - 1])
 
   # Prefill: the padded prompt at positions 0..P-1; each row reads its heads at len - 1.
-  # Slots past a row's length hold pad states that the causal mask never shows it.
-  h_kxBxPxD, cache = apply(prompt_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache)
-  h_kxBxD = h_kxBxPxD[:, rows_B, prompt_len_B - 1]
-  tok_kxB = jnp.argmax(logits(params, args, h_kxBxD[:, :, None])[:, :, 0], axis=-1)
-  first_B = tok_kxB[0].astype(jnp.int32)
+  # Slots past a row's length hold pad states that the causal mask never shows it. Sequential
+  # depths read the prompt itself (then the first token), as in training.
+  def prefill_known(h1_BxPxD):
+    first_B = first_token(h1_BxPxD[rows_B, last_P_B])
+    after_BxP = jnp.concatenate([prompt_BxP[:, 1:], prompt_BxP[:, :1]], axis=1)
+    after_BxP = jnp.where(jnp.arange(P) == last_P_B[:, None], first_B[:, None], after_BxP)
+    return after_BxP, last_P_B
+
+  slots_BxN = jnp.maximum(last_P_B[:, None] - jnp.arange(D)[::-1], 0)
+  reads = sampling_lib.chain_reads(prefill_known, W_DxV, sp_chain,
+                                   u0_BxU[:, k:].T if sample else None, slots_BxN)
+  h_kxBxPxD, cache = apply(prompt_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache, reads)
+  if sample:
+    first_B = first_token(h_kxBxPxD[0, rows_B, last_P_B])
+    h_kxBxNxD = jnp.take_along_axis(h_kxBxPxD, slots_BxN[None, :, :, None], axis=2)
+    q_BxK1xV = _draft_dists(h_kxBxNxD, W_DxV, jnp.full((B,), D - 1), sp)
+    drafts_BxK1 = sampling_lib.draw(q_BxK1xV, u0_BxU[:, k:])
+  else:
+    h_kxBxD = h_kxBxPxD[:, rows_B, last_P_B]
+    tok_kxB = jnp.argmax(logits(params, args, h_kxBxD[:, :, None])[:, :, 0], axis=-1)
+    first_B = tok_kxB[0].astype(jnp.int32)
+    drafts_BxK1, q_BxK1xV = tok_kxB[1:].T.astype(jnp.int32), None
   M = max_new_tokens + k
   state = DecodeState(
       cache=cache,
@@ -139,7 +197,8 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, *, args: ModelArgs
       n_out_B=jnp.ones((B,), jnp.int32),
       pos_B=prompt_len_B.astype(jnp.int32),
       last_B=first_B,
-      drafts_BxK1=tok_kxB[1:].T.astype(jnp.int32),
+      drafts_BxK1=drafts_BxK1,
+      q_BxK1xV=q_BxK1xV,
       done_B=(first_B == eos_id) | (max_new_tokens <= 1),
       cycles_B=jnp.zeros((B,), jnp.int32),
       hist_K=jnp.zeros((k,), jnp.int32),
@@ -149,19 +208,47 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, *, args: ModelArgs
 
   def cycle(s: DecodeState) -> DecodeState:
     window_BxK = jnp.concatenate([s.last_B[:, None], s.drafts_BxK1], axis=1)
-    h_kxBxKxD, cache = apply(window_BxK, s.pos_B[:, None] + j_K, s.cache)
-    pred_kxBxK = jnp.argmax(logits(params, args, h_kxBxKxD), axis=-1).astype(jnp.int32)
     active_B = ~s.done_B
     budget_B = jnp.where(active_B, max_new_tokens - s.n_out_B, 0)
-    acc = accept_greedy(s.drafts_BxK1, pred_kxBxK[0], s.last_B, eos_id, budget_B)
+    if sample:
+      u_BxU = sampling_lib.uniforms(keys_B, s.pos_B, 2 * k - 1)
+
+      def rule(h1_BxKxD):  # head 1's p, then the acceptance rule: (m accepted, next token)
+        p_BxKxV = sampling_lib.probs(sampling_lib.head_logits(h1_BxKxD, W_DxV), sp)
+        return sampling_lib.accept_sampled(s.drafts_BxK1, p_BxKxV, s.q_BxK1xV, u_BxU[:, :k])
+
+      def known(h1_BxKxD):
+        m_B, next_B = rule(h1_BxKxD)
+        return sampling_lib.gained(s.drafts_BxK1, m_B, next_B), m_B
+
+      reads = sampling_lib.chain_reads(known, W_DxV, sp, u_BxU[:, k:].T)
+      h_kxBxKxD, cache = apply(window_BxK, s.pos_B[:, None] + j_K, s.cache, reads)
+      m_B, next_B = rule(h_kxBxKxD[0])
+      out_BxK = sampling_lib.gained(s.drafts_BxK1, m_B, next_B)
+      acc = gain(out_BxK, m_B, s.last_B, eos_id, budget_B)
+      q_BxK1xV = _draft_dists(h_kxBxKxD, W_DxV, acc.drafts_B, sp)
+      new_drafts_BxK1 = sampling_lib.draw(q_BxK1xV, u_BxU[:, k:])
+      q_BxK1xV = jnp.where(active_B[:, None, None], q_BxK1xV, s.q_BxK1xV)
+    else:
+      def known(h1_BxKxD):
+        g_BxK = jnp.argmax(sampling_lib.head_logits(h1_BxKxD, W_DxV), axis=-1).astype(jnp.int32)
+        return g_BxK, accept_greedy(s.drafts_BxK1, g_BxK, s.last_B, eos_id, budget_B).drafts_B
+
+      reads = sampling_lib.chain_reads(known, W_DxV, None)
+      h_kxBxKxD, cache = apply(window_BxK, s.pos_B[:, None] + j_K, s.cache, reads)
+      pred_kxBxK = jnp.argmax(logits(params, args, h_kxBxKxD), axis=-1).astype(jnp.int32)
+      acc = accept_greedy(s.drafts_BxK1, pred_kxBxK[0], s.last_B, eos_id, budget_B)
+      out_BxK = pred_kxBxK[0]
+      # Heads 2..k at the last accepted slot propose the next drafts.
+      new_drafts_BxK1, q_BxK1xV = pred_kxBxK[1:, rows_B, acc.drafts_B].T, None
     idx_BxK = jnp.where(j_K < acc.new_B[:, None], s.n_out_B[:, None] + j_K, M)
     n_out_B = s.n_out_B + acc.new_B
-    # Heads 2..k at the last accepted slot propose the next drafts.
-    drafts = jnp.where(active_B[:, None], pred_kxBxK[1:, rows_B, acc.drafts_B].T, s.drafts_BxK1)
     return DecodeState(
         cache=cache,
-        out_BxM=s.out_BxM.at[rows_B[:, None], idx_BxK].set(pred_kxBxK[0], mode="drop"),
-        n_out_B=n_out_B, pos_B=s.pos_B + acc.new_B, last_B=acc.last_B, drafts_BxK1=drafts,
+        out_BxM=s.out_BxM.at[rows_B[:, None], idx_BxK].set(out_BxK, mode="drop"),
+        n_out_B=n_out_B, pos_B=s.pos_B + acc.new_B, last_B=acc.last_B,
+        drafts_BxK1=jnp.where(active_B[:, None], new_drafts_BxK1, s.drafts_BxK1),
+        q_BxK1xV=q_BxK1xV,
         done_B=s.done_B | (active_B & (acc.eos_B | (n_out_B >= max_new_tokens))),
         cycles_B=s.cycles_B + active_B,
         hist_K=s.hist_K + jnp.sum(jax.nn.one_hot(acc.drafts_B, k, dtype=jnp.int32)
@@ -173,12 +260,15 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, *, args: ModelArgs
 
 
 class Decoder:
-  """Decoding with heads 1..k (k = 1: greedy) of `batch` prompts padded to `prompt_len`, for
-  `max_new_tokens`, compiled ahead of time in the constructor (`compile_seconds`), so that
-  calls time the decode alone. Prompts are validated here, at the entry point."""
+  """Decoding with heads 1..k (k = 1: plain decoding with head 1) of `batch` prompts padded to
+  `prompt_len`, for `max_new_tokens`, compiled ahead of time in the constructor
+  (`compile_seconds`), so that calls time the decode alone. `sampling=True` compiles the
+  sampling program (temperature, top_k, top_p and seed are then arguments of each call, and
+  temperature 0 in it is greedy); False, the greedy one. Prompts are validated here, at the
+  entry point."""
 
   def __init__(self, params, args: ModelArgs, *, k: int, batch: int, prompt_len: int,
-               max_new_tokens: int):
+               max_new_tokens: int, sampling: bool = False):
     check_heads(args, k)
     if max_new_tokens < 1:
       raise ValueError(f"--max_new_tokens: must be >= 1, got {max_new_tokens}")
@@ -187,15 +277,24 @@ class Decoder:
                        f"({max_new_tokens}) exceeds the model's max_len ({args.max_len})")
     self.params, self.args = slice_heads(params, args, k)
     self.batch, self.prompt_len, self.max_new_tokens = batch, prompt_len, max_new_tokens
+    self.sampling = sampling
     t0 = time.perf_counter()
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
     self._compiled = _decode.lower(
-        self.params, i32(batch, prompt_len), i32(batch), i32(), i32(), args=self.args,
-        max_new_tokens=max_new_tokens).compile()
+        self.params, i32(batch, prompt_len), i32(batch), i32(), i32(),
+        sampling_lib.Params(f32, i32(), f32), i32(), args=self.args,
+        max_new_tokens=max_new_tokens, sample=sampling).compile()
     self.compile_seconds = time.perf_counter() - t0
 
-  def __call__(self, prompts: list, *, eos_id: int, pad_id: int) -> DecodeResult:
-    """Decodes token-id prompts (ragged lists; `batch` of them, none longer than prompt_len)."""
+  def __call__(self, prompts: list, *, eos_id: int, pad_id: int, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> DecodeResult:
+    """Decodes token-id prompts (ragged lists; `batch` of them, none longer than prompt_len).
+    Row b draws its samples from (seed, b): the same prompt list and seed give the same output."""
+    sampling_lib.check(temperature, top_k, top_p, seed)
+    if temperature > 0 and not self.sampling:
+      raise ValueError("--temperature: this Decoder was compiled for greedy decoding; build it "
+                       "with sampling=True to sample")
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("prompt: every prompt needs at least one token")
     if len(prompts) != self.batch or max(len(p) for p in prompts) > self.prompt_len:
@@ -205,9 +304,11 @@ class Decoder:
     for b, p in enumerate(prompts):
       prompt_BxP[b, :len(p)] = p
     lens_B = np.asarray([len(p) for p in prompts], np.int32)
+    sp = sampling_lib.Params(np.float32(temperature), np.int32(top_k), np.float32(top_p))
     t0 = time.perf_counter()
     tokens, n_out, cycles, hist, forwards = jax.device_get(self._compiled(
-        self.params, prompt_BxP, lens_B, np.int32(eos_id), np.int32(pad_id)))
+        self.params, prompt_BxP, lens_B, np.int32(eos_id), np.int32(pad_id), sp,
+        np.int32(seed)))
     return DecodeResult(tokens=np.asarray(tokens), lengths=np.asarray(n_out),
                         cycles=np.asarray(cycles), accepted_hist=np.asarray(hist),
                         forwards=int(forwards), seconds=time.perf_counter() - t0,
@@ -215,15 +316,32 @@ class Decoder:
 
 
 def decode(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k: int,
-           eos_id: int, pad_id: int) -> DecodeResult:
-  """Decodes a batch of token-id prompts (ragged lists) with heads 1..k; k = 1 is greedy."""
+           eos_id: int, pad_id: int, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0, seed: int = 0) -> DecodeResult:
+  """Decodes a batch of token-id prompts (ragged lists) with heads 1..k; k = 1 is plain
+  decoding with head 1. temperature 0: greedy (top_k, top_p, seed unused); > 0: sampling with
+  temperature, then top_k (0 = off), then top_p (1 = off), row b seeded by (seed, b); with k > 1
+  speculative sampling, distributed exactly as plain sampling. num_samples samples of a prompt:
+  `repeat(prompts, num_samples)`."""
+  sampling_lib.check(temperature, top_k, top_p, seed)
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("prompt: every prompt needs at least one token")
   decoder = Decoder(params, args, k=k, batch=len(prompts),
-                    prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens)
-  return decoder(prompts, eos_id=eos_id, pad_id=pad_id)
+                    prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
+                    sampling=temperature > 0)
+  return decoder(prompts, eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_k=top_k,
+                 top_p=top_p, seed=seed)
 
 
 def greedy(params, args: ModelArgs, prompts: list, **kw) -> DecodeResult:
-  """Ordinary autoregressive decoding with head 1 only: the baseline."""
+  """Ordinary autoregressive decoding with head 1 only: the baseline (greedy, or plain sampling
+  with temperature > 0)."""
   return decode(params, args, prompts, k=1, **kw)
+
+
+def repeat(prompts: list, num_samples: int) -> list:
+  """Each prompt num_samples times in a row (rows i * num_samples + s, s < num_samples): the
+  batch that draws num_samples independent samples of every prompt (pass@k)."""
+  if not isinstance(num_samples, int) or num_samples < 1:
+    raise ValueError(f"--num_samples: must be an integer >= 1, got {num_samples!r}")
+  return [p for p in prompts for _ in range(num_samples)]

@@ -57,6 +57,23 @@ class Shared:
   # Decoding, not teacher forcing: the next tokens are unknown, so a kind that reads them
   # (sequential depths) reads its own drafts instead.
   decoding: bool = False
+  # Decoding: what sequential depths read (`DecodeReads`); None: head 1's argmax, then each
+  # depth's argmax.
+  reads: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeReads:
+  """What the sequential depths read while decoding, given by the decoder (mtp_jax.sampling).
+
+  known(h1_BxSxD, depths) -> [depths, B, S] int: the token depth d reads at position s, x_{s+d},
+  where the decoder knows it (the prompt; the accepted drafts and the new token of a cycle), -1
+  elsewhere. draft(xs_d, out_BxSxD) -> [B, S]: depth d's draft from its normalised output, what
+  depth d + 1 reads where nothing is known. xs: per-depth inputs of `draft` (leading axis
+  n_future - 1) or None."""
+  known: Callable
+  draft: Callable
+  xs: Any = None
 
 
 class HeadKind(nn.Module):
@@ -229,9 +246,10 @@ class Depth(nn.Module):
   does which.
 
   Teacher forcing (training): the depth's token embeddings come in as the scanned input.
-  Decoding (`Shared.decoding`): depth k reads the argmax of depth k-1 at the same position, so
-  one forward drafts n-1 tokens at the last accepted position (depth 1 reads head 1's own
-  token, exact)."""
+  Decoding (`Shared.decoding`): the scanned input is (known_BxS, xs): depth k reads the known
+  token x_{t+k} where the decoder has it (`DecodeReads.known`: prompt, accepted tokens), else
+  the draft of depth k-1 at the same position, so one forward drafts n-1 chained tokens at the
+  last accepted position."""
   args: ModelArgs
 
   @nn.compact
@@ -239,6 +257,8 @@ class Depth(nn.Module):
     a = self.args
     h_prev_BxSxD, tok_BxS = carry
     if s.decoding:
+      known_BxS, xs = emb_BxSxD
+      tok_BxS = jnp.where(known_BxS >= 0, known_BxS, tok_BxS)
       emb_BxSxD = jnp.take(s.embed_VxD, tok_BxS, axis=0).astype(a.dtype)
     e = RMSNorm(a.norm_eps, a.dtype, name="enorm")(emb_BxSxD)
     h = RMSNorm(a.norm_eps, a.dtype, name="hnorm")(h_prev_BxSxD)
@@ -253,7 +273,11 @@ class Depth(nn.Module):
     else:
       out_BxSxD = rms_norm(h_BxSxD, s.norm_D, a.norm_eps)
     if s.decoding:
-      tok_BxS = jnp.argmax(out_BxSxD.astype(jnp.float32) @ s.unembed_DxV, axis=-1)
+      if s.reads is None:
+        tok_BxS = jnp.argmax(out_BxSxD.astype(jnp.float32) @ s.unembed_DxV, axis=-1)
+      else:
+        tok_BxS = s.reads.draft(xs, out_BxSxD)
+      tok_BxS = tok_BxS.astype(jnp.int32)
     return (h_BxSxD, tok_BxS), (out_BxSxD, new_cache)
 
 
@@ -303,12 +327,15 @@ class SequentialHeads(HeadKind):
       return h1_BxSxD[None], cache
     h0_BxSxD = h1_BxSxD if a.seq_trunk_state == "post_norm" else z_BxSxD
     D = a.n_future - 1
-    if s.decoding:
-      emb_DxBxSxD = None
-      tok_BxS = jnp.argmax(h1_BxSxD.astype(jnp.float32) @ s.unembed_DxV, axis=-1)
+    tok_BxS = jnp.zeros(z_BxSxD.shape[:2], jnp.int32)
+    if s.decoding and s.reads is None:  # depth 1 reads head 1's argmax, deeper depths drafts
+      first_BxS = jnp.argmax(h1_BxSxD.astype(jnp.float32) @ s.unembed_DxV, axis=-1)
+      known_DxBxS = jnp.full((D,) + tok_BxS.shape, -1, jnp.int32).at[0].set(first_BxS)
+      emb_DxBxSxD = (known_DxBxS, None)
+    elif s.decoding:
+      emb_DxBxSxD = (s.reads.known(h1_BxSxD, D), s.reads.xs)
     else:
       emb_DxBxSxD = jnp.stack([shift_left(s.x_BxSxD, k) for k in range(1, D + 1)])
-      tok_BxS = jnp.zeros(z_BxSxD.shape[:2], jnp.int32)
     depths = nn.scan(Depth, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=(0, 0, nn.broadcast), length=D,
                      metadata_params={nn.PARTITION_NAME: "mtp_heads"})

@@ -52,12 +52,13 @@ class Trunk(nn.Module):
 class MTPModel(nn.Module):
   """tokens_BxS -> (h_NxBxSxD, cache). Pass `cache` (from `init_decode_cache`) and absolute
   `positions_BxS` to decode; `decoding=True` (no teacher forcing: heads that would read the
-  next tokens, sequential depths, read their own drafts)."""
+  next tokens, sequential depths, read their own drafts; `reads`, a `heads.DecodeReads`, says
+  what they read)."""
   args: ModelArgs
 
   @nn.compact
   def __call__(self, tokens_BxS, segment_ids_BxS=None, positions_BxS=None, cache=None, *,
-               embeddings_BxSxD=None, decoding: bool = False):
+               embeddings_BxSxD=None, decoding: bool = False, reads=None):
     a = self.args
     B, S = tokens_BxS.shape
     if positions_BxS is None:
@@ -77,7 +78,8 @@ class MTPModel(nn.Module):
     shared = heads.Shared(x_BxSxD=x_BxSxD, positions_BxS=positions_BxS,
                           segment_ids_BxS=segment_ids_BxS,
                           norm_D=norm_param(self, "norm", a.d_model), embed_VxD=embed.embedding,
-                          unembed_DxV=unembed_DxV, decoding=decoding)
+                          unembed_DxV=unembed_DxV, decoding=decoding,
+                          reads=reads)
     h_NxBxSxD, head_cache = heads.KINDS[a.head_kind](a, name="heads")(
         z_BxSxD, shared, None if cache is None else cache["heads"])
     new_cache = None if cache is None else {"trunk": trunk_cache, "heads": head_cache}

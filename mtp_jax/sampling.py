@@ -1,0 +1,176 @@
+"""Sampling for `mtp_jax.decode`: temperature, top-k and top-p (nucleus) truncation, inverse-CDF
+draws from per-row uniforms, and the acceptance rule of speculative sampling (Leviathan et al.
+2023, Algorithm 1 and Theorem 1; Chen et al. 2023, Algorithm 2).
+
+Randomness is per row: row b of a batch draws from jax.random.fold_in(key(seed), b), folded again
+with the position of the row's newest token, so a row's samples depend on its seed, its index in
+the prompt list and its own tokens, never on the other rows of the batch.
+
+Also what the sequential (DeepSeek-V3) depths read while decoding (`chain_reads`): the tokens
+that are known (prompt, accepted drafts, the new token) and, beyond them, their own drafts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax import heads
+
+
+class Params(NamedTuple):
+  """Sampling parameters as traced scalars (one compiled program serves every value)."""
+  temperature: jax.Array  # 0: greedy (a one-hot distribution on the argmax)
+  top_k: jax.Array  # 0: off
+  top_p: jax.Array  # 1: off
+
+
+def check(temperature: float, top_k: int, top_p: float, seed: int) -> None:
+  """One line naming the flag, raised where the values enter (decode, the CLIs)."""
+  if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+          and temperature >= 0):
+    raise ValueError(f"--temperature: must be a finite number >= 0 (0 = greedy), got "
+                     f"{temperature!r}")
+  if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+    raise ValueError(f"--top_p: must be in (0, 1] (1 = off), got {top_p!r}")
+  if not (isinstance(top_k, int) and top_k >= 0):
+    raise ValueError(f"--top_k: must be an integer >= 0 (0 = off), got {top_k!r}")
+  if not (isinstance(seed, int) and 0 <= seed < 2**31):
+    raise ValueError(f"--seed: must be an integer in [0, 2**31), got {seed!r}")
+
+
+def head_logits(h_BxSxD, unembed_DxV) -> jax.Array:
+  """f32 logits of one head's states: the same op wherever a token is drawn from them, so the
+  sequential chain and the decoder draw the same draft from the same uniform."""
+  return jnp.einsum("bsd,dv->bsv", h_BxSxD, unembed_DxV.astype(h_BxSxD.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def probs(logits_xV, sp: Params) -> jax.Array:
+  """The distribution sampled from: softmax(logits / temperature), then top-k, then top-p
+  (nucleus: the most likely tokens whose mass before them is < top_p), renormalised; as HF
+  `generate` and vLLM order them (ties with the last kept token are kept). Temperature 0:
+  one-hot on the argmax (greedy). One sort, and none when neither truncation is on."""
+  V = logits_xV.shape[-1]
+  greedy_xV = jax.nn.one_hot(jnp.argmax(logits_xV, axis=-1), V, dtype=jnp.float32)
+  z_xV = logits_xV.astype(jnp.float32) / jnp.maximum(sp.temperature, 1e-30)
+
+  def truncate(z_xV):
+    desc_xV = -jnp.sort(-z_xV, axis=-1)
+    n_x = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)  # top-k: the first n sorted
+    in_k_xV = jnp.arange(V) < n_x[..., None]
+    sorted_p_xV = jax.nn.softmax(jnp.where(in_k_xV, desc_xV, -jnp.inf), axis=-1)
+    # Nucleus on the renormalised top-k: keep while the mass before a token is < top_p.
+    keep_xV = in_k_xV & ((jnp.cumsum(sorted_p_xV, axis=-1) - sorted_p_xV < sp.top_p)
+                         | (sp.top_p >= 1))
+    n_x = jnp.maximum(jnp.sum(keep_xV, axis=-1), 1)
+    thr_x1 = jnp.take_along_axis(desc_xV, (n_x - 1)[..., None], axis=-1)
+    return jnp.where(z_xV >= thr_x1, z_xV, -jnp.inf)
+
+  z_xV = jax.lax.cond((sp.top_k > 0) | (sp.top_p < 1), truncate, lambda z: z, z_xV)
+  return jnp.where(sp.temperature > 0, jax.nn.softmax(z_xV, axis=-1), greedy_xV)
+
+
+def draw(p_xV, u_x) -> jax.Array:
+  """Inverse-CDF draw from (unnormalised) weights with a uniform in [0, 1): the first token
+  whose cumulative weight exceeds u * total. A token of weight 0 is never drawn."""
+  c_xV = jnp.cumsum(p_xV, axis=-1)
+  t_x1 = (u_x * c_xV[..., -1])[..., None]
+  idx_x = jnp.sum(c_xV <= t_x1, axis=-1)
+  # u * total can round up to total: fall back to the last token of positive weight.
+  last_x = p_xV.shape[-1] - 1 - jnp.argmax(jnp.flip(p_xV > 0, axis=-1), axis=-1)
+  return jnp.minimum(idx_x, last_x).astype(jnp.int32)
+
+
+def row_keys(seed, batch: int) -> jax.Array:
+  """One key per row: fold_in(key(seed), row index)."""
+  base = jax.random.PRNGKey(seed)
+  return jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.arange(batch))
+
+
+def uniforms(keys_B, pos_B, n: int) -> jax.Array:
+  """[B, n] uniforms in [0, 1) for the cycle of each row whose newest token is at pos."""
+  return jax.vmap(lambda key, p: jax.random.uniform(jax.random.fold_in(key, p), (n,)))(
+      keys_B, pos_B)
+
+
+def accept_sampled(drafts_BxK1, p_BxKxV, q_BxK1xV, u_BxK):
+  """One cycle of speculative sampling (Leviathan et al. 2023, Algorithm 1): returns
+  (m_B drafts accepted, next_B the token after them).
+
+  Draft d_j (drafts[:, j - 1], j = 1..K-1) was drawn from q_j = q[:, j - 1]; head 1's p at window
+  slot j - 1 is the distribution of the same position. d_j is accepted with probability
+  min(1, p(d_j) / q_j(d_j)) (u_j * q < p), while every draft before it was. At the first
+  rejection (slot m) the next token is drawn from normalise(max(0, p_m - q_{m+1})); if every
+  draft passes, from p at the last slot (the bonus token). u[:, :K-1] decide acceptance,
+  u[:, K-1] draws the next token. The tokens gained are d_1..d_m, next: distributed exactly as
+  m + 1 draws from p (Theorem 1), whatever q is."""
+  B, K, _ = p_BxKxV.shape
+  rows_B = jnp.arange(B)
+  pd_BxK1 = jnp.take_along_axis(p_BxKxV[:, :K - 1], drafts_BxK1[..., None], axis=-1)[..., 0]
+  qd_BxK1 = jnp.take_along_axis(q_BxK1xV, drafts_BxK1[..., None], axis=-1)[..., 0]
+  ok_BxK1 = (u_BxK[:, :K - 1] * qd_BxK1 < pd_BxK1).astype(jnp.int32)
+  m_B = jnp.sum(jnp.cumprod(ok_BxK1, axis=1), axis=1)
+  p_BxV = p_BxKxV[rows_B, m_B]
+  if K > 1:
+    q_BxV = jnp.where((m_B < K - 1)[:, None], q_BxK1xV[rows_B, jnp.minimum(m_B, K - 2)], 0.0)
+  else:
+    q_BxV = jnp.zeros_like(p_BxV)
+  r_BxV = jnp.maximum(p_BxV - q_BxV, 0.0)
+  # p = q up to rounding leaves no residual mass; rejection then had probability ~0.
+  r_BxV = jnp.where(jnp.sum(r_BxV, axis=-1, keepdims=True) > 0, r_BxV, p_BxV)
+  return m_B, draw(r_BxV, u_BxK[:, K - 1])
+
+
+def gained(drafts_BxK1, m_B, next_B) -> jax.Array:
+  """[B, K]: the tokens a row gains, d_1..d_m then next (slots after m hold next again)."""
+  K = drafts_BxK1.shape[1] + 1
+  d_BxK = jnp.concatenate([drafts_BxK1, next_B[:, None]], axis=1)
+  return jnp.where(jnp.arange(K) < m_B[:, None], d_BxK, next_B[:, None]).astype(jnp.int32)
+
+
+def known_tokens(after_BxS, last_B, depths: int) -> jax.Array:
+  """[depths, B, S]: what sequential depth d reads at position s, x_{s+d}, where it is known
+  (after[s + d - 1] for s + d - 1 <= last; after[s] is the token after position s), else -1."""
+  B, S = after_BxS.shape
+  s_S = jnp.arange(S)
+  out = []
+  for d in range(1, depths + 1):
+    idx_S = s_S + d - 1
+    tok_BxS = jnp.take(after_BxS, jnp.minimum(idx_S, S - 1), axis=1)
+    out.append(jnp.where(idx_S[None] <= last_B[:, None], tok_BxS, -1))
+  return jnp.stack(out).astype(jnp.int32)
+
+
+def draft_tokens(out_BxSxD, unembed_DxV, sp: Params | None, u_B=None) -> jax.Array:
+  """[B, S] drafts of one head: its argmax (sp None) or its draw with the row's uniform."""
+  lg_BxSxV = head_logits(out_BxSxD, unembed_DxV)
+  if sp is None:
+    return jnp.argmax(lg_BxSxV, axis=-1).astype(jnp.int32)
+  return draw(probs(lg_BxSxV, sp), jnp.broadcast_to(u_B[:, None], lg_BxSxV.shape[:2]))
+
+
+def chain_reads(known_fn, unembed_DxV, sp: Params | None, u_DxB=None,
+                slots_BxN=None) -> heads.DecodeReads:
+  """What sequential depths read while decoding: known_fn(h1_BxSxD) -> (after_BxS, last_B) gives
+  the known tokens (teacher forcing wherever the next tokens are known: the prompt at prefill, the
+  accepted drafts and the new token in a cycle); beyond them depth d + 1 reads depth d's draft,
+  its argmax (sp None) or its draw with the row's uniform u_DxB[d - 1] (the uniform the decoder
+  draws the same draft with). slots_BxN: the only positions where a draft is read (prefill: the
+  prompt's last n_future - 1), so a long prompt is not unembedded at every position."""
+  def known(h1_BxSxD, depths):
+    after_BxS, last_B = known_fn(h1_BxSxD)
+    return known_tokens(after_BxS, last_B, depths)
+
+  def draft(u_B, out_BxSxD):
+    if slots_BxN is None:
+      return draft_tokens(out_BxSxD, unembed_DxV, sp, u_B)
+    out_BxNxD = jnp.take_along_axis(out_BxSxD, slots_BxN[..., None], axis=1)
+    rows_Bx1 = jnp.arange(out_BxSxD.shape[0])[:, None]
+    return jnp.zeros(out_BxSxD.shape[:2], jnp.int32).at[rows_Bx1, slots_BxN].set(
+        draft_tokens(out_BxNxD, unembed_DxV, sp, u_B))
+
+  return heads.DecodeReads(known=known, draft=draft, xs=u_DxB)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -26,15 +25,10 @@ import numpy as np
 from absl import flags, logging
 
 from mtp_jax import code_tasks
+from mtp_jax import sampling
 from mtp_jax import sandbox
 
 PROMPT_BUCKET = 64  # prompt lengths are padded up to a multiple of this: few distinct compiles
-
-
-def sampling_supported() -> bool:
-  """Whether mtp_jax.decode can sample (the sampling issue adds temperature, top_k, top_p, seed)."""
-  from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
-  return "temperature" in inspect.signature(decode_lib.decode).parameters
 
 
 def model_args(loaded):
@@ -66,9 +60,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
   args = model_args(loaded)
   tok = loaded.tokenizer
   k = args.n_future if mode == "speculative" else 1
-  sample_kw = {}
-  if sampling_supported():
-    sample_kw = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+  sample_kw = dict(temperature=temperature, top_p=top_p, top_k=top_k)
   rows = [i for i in range(len(prompts)) for _ in range(num_samples)]
   gen = Generation(tokens=[None] * len(rows))
   for b, start in enumerate(range(0, len(rows), batch_size)):
@@ -77,7 +69,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
     width = math.ceil(max(len(p) for p in batch) / PROMPT_BUCKET) * PROMPT_BUCKET
     width = max(min(width, args.max_len - max_new_tokens), max(len(p) for p in batch))
     batch += [np.full(width, tok.pad_id, np.int32)] * (batch_size + 1 - len(idx))
-    if sample_kw:  # one seed per batch: a row's stream must differ between batches
+    if temperature > 0:  # one seed per batch: a row's stream must differ between batches
       sample_kw["seed"] = int(np.random.SeedSequence([seed, b]).generate_state(1)[0] >> 1)
     r = decode_lib.decode(loaded.params, args, batch, max_new_tokens=max_new_tokens, k=k,
                           eos_id=tok.eos_id, pad_id=tok.pad_id, **sample_kw)
@@ -288,16 +280,7 @@ def check_flags(fv: flags.FlagValues) -> dict:
   if not ks or ks[0] < 1 or ks[-1] > o["num_samples"]:
     raise ValueError(f"--k: each k must be in 1..num_samples ({o['num_samples']}), got {o['k']!r}")
   o["k"] = ks
-  t = o["temperature"]
-  if not math.isfinite(t) or t < 0:
-    raise ValueError(f"--temperature: must be finite and >= 0 (0 = greedy), got {t}")
-  if t > 0 and not sampling_supported():
-    raise ValueError("--temperature: sampling needs mtp_jax.decode sampling support; "
-                     "use --temperature 0 (greedy) for now")
-  if not 0 < o["top_p"] <= 1:
-    raise ValueError(f"--top_p: must be in (0, 1], got {o['top_p']}")
-  if o["top_k"] < 0:
-    raise ValueError(f"--top_k: must be >= 0 (0 = off), got {o['top_k']}")
+  sampling.check(o["temperature"], o["top_k"], o["top_p"], o["seed"])
   if o["mode"] not in ("speculative", "greedy"):
     raise ValueError(f"--mode: got {o['mode']!r}, allowed: speculative, greedy")
   for name, low in (("max_new_tokens", 1), ("limit", 0), ("workers", 1), ("batch_size", 1),

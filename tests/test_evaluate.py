@@ -126,15 +126,17 @@ def test_workdir_without_checkpoint(tmp_path, capsys):
   assert sorted(os.listdir(wd)) == ["checkpoints", "config.json"]
 
 
-def test_temperature_needs_decode_sampling(workdir, tmp_path, capsys):
-  """Sampling is wired through decode once it has a temperature parameter (the sampling issue);
-  until then the CLI refuses temperature > 0 in one line."""
-  rc, _, err = _run(["--workdir", workdir, "--temperature", "0.8", "--limit", "1", "--out",
-                     str(tmp_path / "t.json"), "--max_new_tokens", "8"], capsys)
-  if evaluate.sampling_supported():
-    assert rc == 0, err
-  else:
-    assert rc == 2 and err.startswith("error: --temperature: sampling needs mtp_jax.decode")
+def test_sampled_pass_at_k_end_to_end(workdir, tmp_path, capsys):
+  """Temperature > 0 goes through decode's (speculative) sampling: a well-formed results JSON."""
+  out = tmp_path / "t.json"
+  rc, _, err = _run(["--workdir", workdir, "--temperature", "0.8", "--top_p", "0.95",
+                     "--limit", "2", "--num_samples", "2", "--k", "1,2", "--out", str(out),
+                     "--max_new_tokens", "8"], capsys)
+  assert rc == 0, err
+  with open(out) as f:
+    res = json.load(f)
+  assert res["config"]["temperature"] == 0.8
+  assert sorted(res["pass_at_k"]) == ["pass@1", "pass@2"], res["pass_at_k"]
 
 
 def test_cli_bad_flag_subprocess():

@@ -33,14 +33,21 @@ test: install
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 
 # Train the default model (byte-level code, 4 parallel heads) on the local stdlib corpus for a
-# few minutes, then decode code prompts greedily and with self-speculation and compare.
-# Rerunning resumes; DEMO_STEPS=N trains longer.
+# few minutes; sample completions of code prompts with self-speculation; then measure decoding on
+# held-out windows (greedy and sampled, batch 1) and print the report: held-out loss and
+# teacher-forced acceptance per head, a, S measured and the cost model's verdict for this
+# machine. Rerunning resumes; DEMO_STEPS=N trains longer.
 demo: install
 	$(BIN)/python -m mtp_jax.train --config configs/default.py --workdir $(DEMO_DIR) \
 	  --config.train.steps=$(DEMO_STEPS) --config.train.eval_every=50 \
 	  --config.train.checkpoint_every=50 --config.train.log_every=5
-	$(BIN)/python -m mtp_jax.generate --workdir $(DEMO_DIR) --mode both --max_new_tokens 128 \
-	  $(addprefix --prompt_file ,$(DEMO_PROMPTS))
+	$(BIN)/python -m mtp_jax.generate --workdir $(DEMO_DIR) --mode both --max_new_tokens 96 \
+	  --temperature 0.8 --top_p 0.95 --seed 0 $(addprefix --prompt_file ,$(DEMO_PROMPTS))
+	$(BIN)/python experiments/bench_decode.py --workdir $(DEMO_DIR) --batches 1 --prompt_lens 64 \
+	  --max_new_tokens 64 --temperature 0.8 --top_p 0.95 --json $(DEMO_DIR)/decode.json \
+	  > $(DEMO_DIR)/decode.log
+	$(BIN)/python experiments/demo_report.py --workdir $(DEMO_DIR) \
+	  --decode_json $(DEMO_DIR)/decode.json
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -17,11 +17,13 @@ from mtp_jax.flops, the peak from its datasheet table (or a measured matmul peak
 `--batch auto` doubles or halves the size's default batch until the n=4 step's compiled peak
 memory fills at most `--fill` of the device, then uses that batch for both variants.
 
-Decode (mtp_jax.decode; the cost model S = a T1/Tc of BACKGROUND.md §5): greedy (k=1) and
-speculative (k=4) on the n=4 model
-for batch 1 and 8, EOS ignored so the work is fixed; T1 = greedy seconds per forward, Tc =
-speculative seconds per cycle, a = tokens per cycle, S_predicted = a * T1 / Tc. With the
-random-init params a is meaningless (only T1 and Tc are); `--workdir DIR` decodes a trained
+Decode (mtp_jax.decode; the cost model S = a T1/Tk of BACKGROUND.md §5): greedy (k=1) and
+speculative (k=4) on the n=4 model for batch 1 and 8, EOS ignored so the work is fixed; T1 =
+greedy seconds per forward, Tc = speculative seconds per cycle (both inside the loops), a =
+tokens per cycle, S_measured = greedy / speculative wall time, S_predicted = a_batch * T1_fwd /
+Tk_fwd from a one-token and a k-token forward timed on their own (decode.forward_seconds; the
+in-loop a * T1 / Tc would equal S_measured by construction). With the random-init params a is
+meaningless (only the times are); `--workdir DIR` decodes a trained
 model instead, on held-out windows of its validation split.
 """
 
@@ -58,7 +60,7 @@ SIZES = {
 K = 4  # the MTP variant's n_future and the speculative decode's heads
 DECODE_BATCHES = (1, 8)
 RANDOM_NOTE = ("random-init params: a (and so S_predicted) says nothing about a trained model; "
-               "T1 and Tc are real. Pass --workdir for a trained model's a.")
+               "the times are real. Pass --workdir for a trained model's a.")
 
 
 def set_field(c, path: str, text: str) -> None:
@@ -192,8 +194,13 @@ def bench_decode(params, args, prompts_for, max_new: int, pad_id: int = 0,
                                  for _ in range(1 + reps)), key=lambda r: r.seconds)
     g, s = fastest(1), fastest(k)
     T1, Tc, a = g.seconds / g.forwards, s.seconds / s.forwards, s.tokens_per_forward
+    a_batch = g.forwards / s.forwards  # what the slowest row allows the whole batch
+    cost = decode_lib.forward_seconds(params, args, k, batch=batch,
+                                      context=len(prompts[0]) + max_new // 2)
     out.append({"batch": batch, "k": k, "prompt_len": len(prompts[0]), "max_new_tokens": max_new,
-                "T1": T1, "Tc": Tc, "Tc_over_T1": Tc / T1, "a": a, "S_predicted": a * T1 / Tc,
+                "T1": T1, "Tc": Tc, "Tc_over_T1": Tc / T1, "a": a, "a_batch": a_batch,
+                "forward_1_seconds": cost["forward_1"], "forward_k_seconds": cost["forward_k"],
+                "S_predicted": a_batch * cost["forward_1"] / cost["forward_k"],
                 "S_measured": g.seconds / s.seconds,
                 "identical": bool(np.array_equal(g.tokens, s.tokens))})
   return out

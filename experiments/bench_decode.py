@@ -31,17 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import decode as decode_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax.data import builders, pipeline
 from mtp_jax.generate import load_workdir
-from mtp_jax.model import init_decode_cache
 
 
 def heldout_prompts(loaded, n: int, length: int, seed: int = 0) -> list[np.ndarray]:
@@ -70,30 +67,6 @@ def teacher_forced_agreement(loaded, batches: int = 4) -> list[float]:
     agree = agree + np.asarray(m["head_agree"]) * m["head_tokens"]
     weight = weight + np.asarray(m["head_tokens"])
   return (agree / np.maximum(weight, 1)).tolist()
-
-
-def forward_cost(loaded, k: int, batch: int, context: int, reps: int = 21) -> dict:
-  """Median seconds of one cached forward over a 1-token and a k-token window at `context`."""
-  params_k, args_k = decode_lib.slice_heads(loaded.params, loaded.model.args, k)
-  params_1, args_1 = decode_lib.slice_heads(loaded.params, loaded.model.args, 1)
-  out = {}
-  for name, (p, a, w) in {"forward_1": (params_1, args_1, 1), "forward_k": (params_k, args_k, k)
-                          }.items():
-    from mtp_jax.model import MTPModel
-    model = MTPModel(a)
-    cache = init_decode_cache(a, batch, context + k + 1)
-    toks = jnp.zeros((batch, w), jnp.int32)
-    pos = context + jnp.broadcast_to(jnp.arange(w), (batch, w))
-    f = jax.jit(lambda p, c: model.apply({"params": p}, toks, positions_BxS=pos, cache=c,
-                                         decoding=True))
-    jax.block_until_ready(f(p, cache))
-    times = []
-    for _ in range(reps):
-      t = time.perf_counter()
-      jax.block_until_ready(f(p, cache))
-      times.append(time.perf_counter() - t)
-    out[name] = float(np.median(times))  # the median: robust to a busy machine
-  return out
 
 
 def run_case(loaded, prompts, k, max_new, sample_kw=None):
@@ -191,7 +164,8 @@ def main():
   for plen in [int(x) for x in args.prompt_lens.split(",")]:
     for batch in [int(x) for x in args.batches.split(",")]:
       prompts = heldout_prompts(loaded, batch, plen)
-      cost = forward_cost(loaded, k, batch, plen + args.max_new_tokens // 2)
+      cost = decode_lib.forward_seconds(loaded.params, loaded.model.args, k, batch=batch,
+                                         context=plen + args.max_new_tokens // 2)
       for sample_kw in modes:
         r = run_case(loaded, prompts, k, args.max_new_tokens, sample_kw)
         r.update(batch=batch, prompt_len=plen, heads=k, step=loaded.step,

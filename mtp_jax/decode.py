@@ -345,3 +345,29 @@ def repeat(prompts: list, num_samples: int) -> list:
   if not isinstance(num_samples, int) or num_samples < 1:
     raise ValueError(f"--num_samples: must be an integer >= 1, got {num_samples!r}")
   return [p for p in prompts for _ in range(num_samples)]
+
+
+def forward_seconds(params, args: ModelArgs, k: int, *, batch: int, context: int,
+                    reps: int = 21) -> dict[str, float]:
+  """The cost model's inputs (BACKGROUND.md §5, S = a x T1 / Tk): median seconds of one cached
+  forward over a 1-token window with head 1 alone (T1) and over a k-token window with heads
+  1..k (Tk), at `context` tokens of cache, timed on their own outside any decoding loop. (The
+  in-loop seconds per forward would make a x T1 / Tc equal the measured speed-up by
+  construction.)"""
+  out = {}
+  for name, width in (("forward_1", 1), ("forward_k", k)):
+    p, a = slice_heads(params, args, width)
+    model = MTPModel(a)
+    cache = init_decode_cache(a, batch, context + k + 1, dtype=a.dtype)
+    toks = jnp.zeros((batch, width), jnp.int32)
+    pos = context + jnp.broadcast_to(jnp.arange(width), (batch, width))
+    f = jax.jit(lambda p, c, model=model, toks=toks, pos=pos: model.apply(
+        {"params": p}, toks, positions_BxS=pos, cache=c, decoding=True))
+    jax.block_until_ready(f(p, cache))
+    times = []
+    for _ in range(reps):
+      t = time.perf_counter()
+      jax.block_until_ready(f(p, cache))
+      times.append(time.perf_counter() - t)
+    out[name] = float(np.median(times))  # the median: robust to a busy machine
+  return out

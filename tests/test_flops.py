@@ -139,7 +139,9 @@ def test_bench_accel_tiny(capsys):
   assert [d["batch"] for d in rec["decode"]["runs"]] == [1, 8]
   for d in rec["decode"]["runs"]:
     assert d["k"] == 4 and d["T1"] > 0 and d["Tc"] > 0 and d["a"] >= 1
-    assert d["S_predicted"] == pytest.approx(d["a"] * d["T1"] / d["Tc"])
+    assert d["forward_1_seconds"] > 0 and d["forward_k_seconds"] > 0
+    assert d["S_predicted"] == pytest.approx(
+        d["a_batch"] * d["forward_1_seconds"] / d["forward_k_seconds"])
     assert d["identical"]
   assert "random-init" in rec["decode"]["params_from"]
 

@@ -1,0 +1,78 @@
+"""The closing report of `make demo`: what the model learned and what its heads buy, from the
+files the demo wrote (nothing is recomputed here).
+
+    python experiments/demo_report.py --workdir runs/demo --decode_json runs/demo/decode.json
+
+- held-out loss and accuracy per head (summary.json, the last eval on the validation split);
+- teacher-forced acceptance: how often head k's argmax equals head 1's on held-out text, the
+  draft acceptance rate that free generation's loops cannot flatter;
+- decoding on held-out windows (experiments/bench_decode.py's JSON): tokens per forward a, the
+  speed-up S measured against plain decoding, and the cost model's verdict for this machine:
+  S = a x T1/Tk, with T1 and Tk a one-token and a k-token forward timed on their own, so
+  speculation pays where a > Tk/T1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def _heads(summary: dict, metric: str) -> list[float]:
+  out, i = [], 1
+  while f"eval/head{i}_{metric}" in summary:
+    out.append(summary[f"eval/head{i}_{metric}"])
+    i += 1
+  return out
+
+
+def _fmt(values, digits: int = 3) -> str:
+  return "  ".join(f"{v:.{digits}f}" for v in values)
+
+
+def report(summary: dict, rows: list[dict]) -> str:
+  lines = []
+  tokens = summary.get("tokens_seen", 0)
+  lines.append(f"== the model: step {summary['step']}, {tokens:,} training tokens, "
+               f"{summary['n_params']:,} params, {summary['n_future']} {summary['head_kind']} "
+               "heads ==")
+  loss, acc, agree = _heads(summary, "loss"), _heads(summary, "acc"), _heads(summary, "agree")
+  if loss:
+    lines.append(f"held-out loss per head (nats/token): {_fmt(loss)}")
+    lines.append(f"held-out accuracy per head:          {_fmt(acc)}")
+    lines.append(f"teacher-forced acceptance, heads 2-{len(agree)} (argmax equals head 1's): "
+                 f"{_fmt(agree[1:])}")
+  for r in rows:
+    name = "greedy" if r["mode"] == "greedy" else (
+        f"sampled (temperature {r['sampling']['temperature']}, top_p {r['sampling']['top_p']})")
+    t1, tk = r["forward_1_seconds"], r["forward_k_seconds"]
+    lines.append(f"== {name} decoding, batch {r['batch']}, held-out prompts of "
+                 f"{r['prompt_len']} tokens, {r['tokens_per_row']} new tokens each ==")
+    lines.append(f"tokens per forward a = {r['a']:.2f} (acceptance by draft position "
+                 f"{_fmt(r['acceptance_by_position'], 2)})"
+                 + ("; identical to greedy: " + str(r["identical"]) if r["identical"] is not None
+                    else ""))
+    lines.append(f"one-token forward T1 = {1e3 * t1:.2f} ms, {r['heads']}-token forward Tk = "
+                 f"{1e3 * tk:.2f} ms: speculation pays where a > Tk/T1 = {tk / t1:.2f}")
+    verdict = "faster" if r["S_measured"] > 1 else "slower"
+    lines.append(f"speed-up S measured {r['S_measured']:.2f} ({verdict} than plain decoding), "
+                 f"predicted a x T1/Tk = {r['S_predicted']:.2f} (off by {r['off_by']:+.0%}: the "
+                 "loop's acceptance and sampling work is not in the forwards)")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--workdir", required=True)
+  ap.add_argument("--decode_json", required=True, help="experiments/bench_decode.py's --json")
+  a = ap.parse_args(argv)
+  with open(os.path.join(a.workdir, "summary.json")) as f:
+    summary = json.load(f)
+  with open(a.decode_json) as f:
+    rows = json.load(f)
+  print(report(summary, rows), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtp_jax.layers import Block, RMSNorm, dense_init, remat, rms_norm
 
@@ -139,6 +140,13 @@ class HeadKind(nn.Module):
     every stack holding it; [] for a head with no params of its own (the trunk's head 1)."""
     return [(("heads", name), j - first) for name, first in cls.stacks.items() if j >= first]
 
+  @classmethod
+  def warm_start(cls, fresh: dict, args: ModelArgs) -> None:
+    """Adding heads to a pretrained next-token model (convert from-hf, --init_heads copy):
+    edits the freshly initialised params["heads"] (numpy, in place) so the new heads start
+    close to head 1. Head 1's own params, if any, are filled in by the converter. Default:
+    keep the fresh initialisation."""
+
 
 def slice_params(params, kind: type[HeadKind], k: int):
   """The param tree restricted to heads 1..k: each stack cut to the heads <= k it holds."""
@@ -176,6 +184,12 @@ class ParallelHeads(HeadKind):
   @classmethod
   def cache_blocks(cls, args: ModelArgs) -> int:
     return args.n_future
+
+  @classmethod
+  def warm_start(cls, fresh: dict, args: ModelArgs) -> None:
+    """Every extra head block starts as a copy of head 1's (Meta's layout: the last layer)."""
+    for x in jax.tree.leaves(fresh["blocks"]):
+      x[1:] = x[0]
 
   @classmethod
   def validate_config(cls, m, fail) -> None:
@@ -225,6 +239,11 @@ class ProjectionHeads(HeadKind):
   """Head 1 is the trunk itself; heads 2..n are residual MLPs (vmapped, stacked params) on the
   trunk state; all heads share the final norm and the unembedding. No attention, no cache."""
   stacks = {"mlps": 2}
+
+  @classmethod
+  def warm_start(cls, fresh: dict, args: ModelArgs) -> None:
+    """Zero output projections: every extra head starts as the identity on the trunk state."""
+    fresh["mlps"]["down"]["kernel"][...] = 0
 
   @nn.compact
   def __call__(self, z_BxSxD, s: Shared, cache=None):
@@ -314,6 +333,19 @@ class SequentialHeads(HeadKind):
       "maxtext": dict(seq_concat="emb_first", seq_trunk_state="pre_norm",
                       seq_output_norm="shared"),
   }
+
+  @classmethod
+  def warm_start(cls, fresh: dict, args: ModelArgs) -> None:
+    """Each depth's block adds nothing (zero attention and MLP output projections) and eh_proj
+    passes the previous hidden state through, so depth k starts out predicting what head 1
+    predicts, not noise."""
+    d = fresh["depths"]
+    d["block"]["attention"]["wo"]["kernel"][...] = 0
+    d["block"]["feed_forward"]["w2"]["kernel"][...] = 0
+    eh = d["eh_proj"]["kernel"]  # [depths, 2D, D]: rows of [emb; h] or [h; emb]
+    eh[...] = 0
+    h_rows = slice(args.d_model, None) if args.seq_concat == "emb_first" else slice(0, args.d_model)
+    eh[:, h_rows] = np.eye(args.d_model, dtype=eh.dtype)
 
   @classmethod
   def cache_blocks(cls, args: ModelArgs) -> int:

@@ -32,6 +32,7 @@ import numpy as np
 from flax import traverse_util
 
 from mtp_jax import config as config_lib
+from mtp_jax import heads as heads_lib
 from mtp_jax.convert.layouts import check_tensors, llama_entries, param_shapes, read_params
 from mtp_jax.convert.readers import Safetensors, read_json
 from mtp_jax.convert.workdir import check_out, hf_llama_fields, prepare_config, write_workdir
@@ -79,13 +80,6 @@ def hf_config(ckpt: str, n_future: int, heads: str, max_len: int) -> ml_collecti
   return c
 
 
-def _zero(tree: dict, *path: str) -> None:
-  leaf = tree
-  for p in path[:-1]:
-    leaf = leaf[p]
-  leaf[path[-1]] = np.zeros_like(leaf[path[-1]])
-
-
 def new_heads(config: ml_collections.ConfigDict, params: dict, init_heads: str) -> dict:
   """params["heads"] with heads 2..n initialised (see the module docstring); head 1's own
   params, if any (parallel blocks[0]), are already in `params`."""
@@ -95,23 +89,13 @@ def new_heads(config: ml_collections.ConfigDict, params: dict, init_heads: str) 
   # Only the heads subtree is an output, so XLA drops the trunk's initialisers.
   fresh = jax.jit(lambda r: nn.unbox(model.init(r, tokens)["params"])["heads"])
   out = jax.tree.map(np.array, jax.device_get(fresh(jax.random.PRNGKey(config.seed))))
-  if a.head_kind == "parallel":
-    flat = traverse_util.flatten_dict(out["blocks"])
-    for path, x_1x_ in traverse_util.flatten_dict(params["heads"]["blocks"]).items():
-      flat[path][0] = x_1x_[0]
-      if init_heads == "copy":
-        flat[path][1:] = x_1x_[0]
-    out["blocks"] = traverse_util.unflatten_dict(flat)
-  elif init_heads == "copy" and a.head_kind == "projection":
-    _zero(out, "mlps", "down", "kernel")
-  elif init_heads == "copy" and a.head_kind == "sequential":
-    d = out["depths"]
-    _zero(d, "block", "attention", "wo", "kernel")
-    _zero(d, "block", "feed_forward", "w2", "kernel")
-    eh = np.zeros_like(d["eh_proj"]["kernel"])  # [depths, 2D, D]: rows of [emb; h] or [h; emb]
-    h_rows = slice(a.d_model, None) if a.seq_concat == "emb_first" else slice(0, a.d_model)
-    eh[:, h_rows] = np.eye(a.d_model, dtype=eh.dtype)
-    d["eh_proj"]["kernel"] = eh
+  for path, index in heads_lib.KINDS[a.head_kind].head_params(1):  # head 1's own params
+    stack = traverse_util.flatten_dict(out[path[1]])
+    for leaf, x_1x_ in traverse_util.flatten_dict(params["heads"][path[1]]).items():
+      stack[leaf][index] = x_1x_[index]
+    out[path[1]] = traverse_util.unflatten_dict(stack)
+  if init_heads == "copy":
+    heads_lib.KINDS[a.head_kind].warm_start(out, a)
   return out
 
 

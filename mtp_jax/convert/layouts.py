@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
+from mtp_jax import heads as heads_lib
 from mtp_jax.config import ModelArgs
 from mtp_jax.model import build_model, init_params
 
@@ -81,9 +82,12 @@ def meta_entries(a: ModelArgs) -> list[Entry]:
          Entry("output.weight", ("unembed",), n_in=1)]
   for i in range(a.n_trunk):
     out += block_entries(f"layers.{i}.", ("trunk", "layers"), i, a, meta=True)
-  out += block_entries(f"layers.{a.n_trunk}.", ("heads", "blocks"), 0, a, meta=True)
-  for j in range(a.n_future - 1):
-    out += block_entries(f"extra_heads.{j}.", ("heads", "blocks"), j + 1, a, meta=True)
+  heads = heads_lib.KINDS["parallel"]
+  [(dst, index)] = heads.head_params(1)
+  out += block_entries(f"layers.{a.n_trunk}.", dst, index, a, meta=True)
+  for j in range(2, a.n_future + 1):
+    [(dst, index)] = heads.head_params(j)
+    out += block_entries(f"extra_heads.{j - 2}.", dst, index, a, meta=True)
   return out
 
 
@@ -97,22 +101,22 @@ def llama_entries(a: ModelArgs) -> list[Entry]:
   for i in range(a.n_trunk):
     dst, index = (("trunk", "layers"), i) if a.scan_layers else (("trunk", f"layers_{i}"), None)
     out += block_entries(f"model.layers.{i}.", dst, index, a, meta=False)
-  if a.head_kind == "parallel":
-    out += block_entries(f"model.layers.{a.n_trunk}.", ("heads", "blocks"), 0, a, meta=False)
+  for dst, index in heads_lib.KINDS[a.head_kind].head_params(1):  # head 1's own block, if any
+    out += block_entries(f"model.layers.{a.n_trunk}.", dst, index, a, meta=False)
   return out
 
 
 def deepseek_entries(a: ModelArgs) -> list[Entry]:
   """Main model as HF Llama, MTP module k at model.layers.{n_layers + k}."""
   out = llama_entries(a)
-  depths = ("heads", "depths")
   for k in range(a.n_future - 1):
+    [(depths, i)] = heads_lib.KINDS["sequential"].head_params(k + 2)  # MTP module k: head k + 2
     p = f"model.layers.{a.n_trunk + k}."
-    out += block_entries(p, depths + ("block",), k, a, meta=False)
-    out += [Entry(p + "enorm.weight", depths + ("enorm", "scale"), k),
-            Entry(p + "hnorm.weight", depths + ("hnorm", "scale"), k),
-            Entry(p + "eh_proj.weight", depths + ("eh_proj", "kernel"), k, n_in=1),
-            Entry(p + "shared_head.norm.weight", depths + ("shared_head_norm", "scale"), k)]
+    out += block_entries(p, depths + ("block",), i, a, meta=False)
+    out += [Entry(p + "enorm.weight", depths + ("enorm", "scale"), i),
+            Entry(p + "hnorm.weight", depths + ("hnorm", "scale"), i),
+            Entry(p + "eh_proj.weight", depths + ("eh_proj", "kernel"), i, n_in=1),
+            Entry(p + "shared_head.norm.weight", depths + ("shared_head_norm", "scale"), i)]
   return out
 
 

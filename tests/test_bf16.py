@@ -80,14 +80,19 @@ def test_window_logits_equal_one_token_steps(make_config, make_model, kind):
   a = model.args
   tokens_BxS = jnp.asarray(np.random.default_rng(1).integers(0, 61, (2, 11)), jnp.int32)
 
+  @jax.jit
+  def forward(tokens_BxS, positions_BxS, cache):
+    h_NxBxSxD, cache = model.apply({"params": params}, tokens_BxS, positions_BxS=positions_BxS,
+                                   cache=cache, decoding=True)
+    return logits(params, a, h_NxBxSxD)[0], cache
+
   def run(chunks):
     cache = init_decode_cache(a, 2, 32, dtype=a.dtype)
     out, pos = [], 0
     for n in chunks:
       positions_BxS = jnp.broadcast_to(jnp.arange(pos, pos + n), (2, n))
-      h_NxBxSxD, cache = model.apply({"params": params}, tokens_BxS[:, pos:pos + n],
-                                     positions_BxS=positions_BxS, cache=cache, decoding=True)
-      out.append(logits(params, a, h_NxBxSxD)[0])
+      logits_BxSxV, cache = forward(tokens_BxS[:, pos:pos + n], positions_BxS, cache)
+      out.append(logits_BxSxV)
       pos += n
     return np.asarray(jnp.concatenate(out, axis=1))[:, 7:]
 

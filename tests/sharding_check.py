@@ -292,7 +292,8 @@ def check_byte_vocab(results):
     results["loss_grads"][name] = {
         "loss_cmp": compare(loss, rl), "head_loss_cmp": compare(metrics["head_loss"],
                                                                 rm["head_loss"]),
-        "grads_cmp": compare(grads, rg), "embedding_shape": list(params["embed"]["embedding"].shape),
+        "grads_cmp": compare(grads, rg),
+        "embedding_shape": list(params["embed"]["embedding"].shape),
         "embedding_spec": emb, "seconds": round(time.perf_counter() - t0, 2)}
     print(name, results["loss_grads"][name], flush=True)
   prompts = [[5, 200, 1], [258], [3, 3, 8, 2, 111], [4, 6]]

@@ -52,6 +52,11 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 259  # byte tokenizer: 256 bytes + pad, bos, eos
+  # The embedding and unembedding have vocab_size rounded up to a multiple of this many rows
+  # (ModelArgs.padded_vocab): 259 -> 384 splits over `tensor` and fills the MXU / tensor cores.
+  # Pad logits are masked out of the loss and decoding (model.mask_pad_logits). A workdir saved
+  # before the field existed loads with 1 (load_json): its embedding is unpadded.
+  c.model.vocab_multiple = 128
   c.model.d_model = 256
   c.model.n_layers = 6  # counts the parallel head blocks (matched parameters, Gloeckle §3)
   c.model.n_heads = 8  # attention heads
@@ -207,7 +212,15 @@ ModelArgs = dataclasses.make_dataclass(
                    "a jnp dtype, and n_trunk: the trunk blocks its head kind leaves.",
         "from_config": classmethod(_model_args_from_config),
         "head_dim": property(lambda self: self.d_model // self.n_heads),
+        # Rows of the embedding (columns of the unembedding): ids >= vocab_size are padding.
+        "padded_vocab": property(lambda self: padded_vocab(self.vocab_size,
+                                                           self.vocab_multiple)),
     })
+
+
+def padded_vocab(vocab_size: int, vocab_multiple: int) -> int:
+  """vocab_size rounded up to a multiple of vocab_multiple: the embedding's rows."""
+  return -(-int(vocab_size) // int(vocab_multiple)) * int(vocab_multiple)
 
 
 def load_file(path: str) -> ml_collections.ConfigDict:
@@ -236,6 +249,8 @@ def load_json(path: str) -> ml_collections.ConfigDict:
   with open(path) as f:
     saved = json.load(f)
   c = base_config()
+  if "vocab_multiple" not in saved.get("model", {}):
+    c.model.vocab_multiple = 1  # saved before the field existed: an unpadded embedding
 
   def merge(dst, src):
     for key, value in src.items():
@@ -298,7 +313,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _validate_floats(c)
   _choice(c, "model.remat_policy", REMAT_POLICIES)
   _choice(c, "model.dtype", DTYPES)
-  for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len"):
+  for field in ("vocab_size", "vocab_multiple", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                "d_ff", "max_len"):
     if int(getattr(m, field)) < 1:
       _fail(f"model.{field}", f"must be >= 1, got {getattr(m, field)}")
   if m.n_future < 1:

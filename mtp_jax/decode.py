@@ -150,7 +150,7 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, *, args:
   B, P = prompt_BxP.shape
   D = max(k - 1, 1)
   rows_B = jnp.arange(B)
-  W_DxV = unembedding(params, args)
+  W_DxV = unembedding(params, args)[:, :args.vocab_size]  # real ids only: a pad id never wins
   cache = init_decode_cache(args, B, P + max_new_tokens + k, dtype=args.dtype)
   apply = lambda toks, pos, c, reads: model.apply(
       {"params": params}, toks, positions_BxS=pos, cache=c, decoding=True, reads=reads)

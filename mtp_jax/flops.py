@@ -74,9 +74,11 @@ def flops_per_token(config: ml_collections.ConfigDict, *, train: bool = True,
   Returns {"trunk", "heads", "attention", "unembedding", "total"}: "trunk" and "heads" are the
   blocks' projection and MLP matmuls, "attention" the scores and values of every attention
   block (trunk and heads) at sequence length data.seq_len, "unembedding" d_model x vocab once per
-  head. Head kinds (heads.py): parallel, n_future blocks taken from n_layers (Gloeckle et al.
-  2024 §2); projection, n_future - 1 residual MLPs d -> 2d -> d; sequential, n_future - 1
-  DeepSeek-V3 depths (arXiv 2412.19437 eq. 21-23), each eh_proj 2d -> d and a block.
+  head, vocab the real model.vocab_size: the pad columns of model.vocab_multiple are computed
+  but are no model FLOPs (MFU counts the model's work, not the padding's). Head kinds
+  (heads.py): parallel, n_future blocks taken from n_layers (Gloeckle et al. 2024 §2);
+  projection, n_future - 1 residual MLPs d -> 2d -> d; sequential, n_future - 1 DeepSeek-V3
+  depths (arXiv 2412.19437 eq. 21-23), each eh_proj 2d -> d and a block.
   """
   m = config.model
   d, n, S = m.d_model, m.n_future, config.data.seq_len

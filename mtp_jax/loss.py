@@ -13,6 +13,10 @@ pass recomputes one head's logits at a time: only one [B, S, V] block is alive i
 (`dots_with_no_batch_dims_saveable` would save every head's logits: measured, see docs/DESIGN.md.)
 Nothing goes through Flax intermediates: the loss and metrics are returned.
 
+Padded vocabulary (model.vocab_multiple): `vocab_size` names the real ids; the logits of the pad
+columns are -inf (`model.mask_pad_logits`), so the logsumexp, the argmax and the gradients see
+the real vocabulary only, in the scanned loss, its token tiles and the naive reference alike.
+
 Everything is first a per-head sum over tokens (`mtp_sums`: NLL, lse^2, correct, agreeing,
 scored tokens); `summarise` divides once per head. Sums add up across micro-batches, so a
 gradient-accumulating train step (steps.py) reproduces the full batch's per-head token means.
@@ -27,7 +31,7 @@ import numpy as np
 
 from mtp_jax import config as config_lib
 from mtp_jax import sharding
-from mtp_jax.model import unembedding
+from mtp_jax.model import mask_pad_logits, unembedding
 
 _SAVE_NOTHING = jax.checkpoint_policies.nothing_saveable
 
@@ -63,7 +67,7 @@ def targets_and_mask(tokens_BxS, segment_ids_BxS, n_future: int):
   return jnp.stack(tgts), jnp.stack(masks)
 
 
-def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT):
+def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT, vocab_size):
   """Summed NLL and summed lse^2 over the masked tokens, and the argmax, for one tile."""
   B, T, D = h_BxTxD.shape  # one token axis: XLA:CPU's fast GEMM path (see layers.tokens_2d)
   logits_BxTxV = jnp.dot(h_BxTxD.reshape(B * T, D), unembed_DxV.astype(h_BxTxD.dtype),
@@ -71,6 +75,7 @@ def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT):
   # On a mesh, keep the tile's rows with their batch shard: unconstrained, GSPMD all-gathered
   # the whole global tile onto every chip (33.5 GB at 7B scale, found with plan_memory).
   logits_BxTxV = sharding.constrain(logits_BxTxV, ("batch", None, "vocab"))
+  logits_BxTxV = mask_pad_logits(logits_BxTxV, vocab_size)
   lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
   tgt_logit_BxT = jnp.take_along_axis(logits_BxTxV, tgt_BxT[..., None], axis=-1)[..., 0]
   m = mask_BxT.astype(jnp.float32)
@@ -127,27 +132,31 @@ def summarise(sums, weights_N, z_loss: float):
 
 
 def mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
-             token_chunks: int = 1, z_loss: float = 0.0):
-  """Memory-lean MTP loss. Returns (scalar loss, metrics with per-head [N] arrays)."""
-  sums = mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, token_chunks=token_chunks)
+             token_chunks: int = 1, z_loss: float = 0.0, vocab_size: int | None = None):
+  """Memory-lean MTP loss. Returns (scalar loss, metrics with per-head [N] arrays). Columns of
+  unembed_DxV from `vocab_size` on are padding (None: every column is a real id)."""
+  sums = mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, token_chunks=token_chunks,
+                  vocab_size=vocab_size)
   return summarise(sums, weights_N, z_loss)
 
 
-def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunks: int = 1):
+def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunks: int = 1,
+             vocab_size: int | None = None):
   """Per-head sums (nll, zsq, correct, agree, tokens; each [N]) of the memory-lean loss."""
   N, B, S, D = h_NxBxSxD.shape
+  V = unembed_DxV.shape[1] if vocab_size is None else vocab_size
   C = token_chunks
   if S % C:
     raise ValueError(f"config.loss.token_chunks: must divide the sequence length {S}, got {C}")
   tgt_NxBxS, mask_NxBxS = targets_and_mask(tokens_BxS, segment_ids_BxS, N)
 
   def tile(_, xs):
-    return None, _token_stats(xs[0], unembed_DxV, xs[1], xs[2])
+    return None, _token_stats(xs[0], unembed_DxV, xs[1], xs[2], V)
 
   def head(_, xs):
     h_BxSxD, tgt_BxS, mask_BxS = xs
     if C == 1:
-      return None, _token_stats(h_BxSxD, unembed_DxV, tgt_BxS, mask_BxS)
+      return None, _token_stats(h_BxSxD, unembed_DxV, tgt_BxS, mask_BxS, V)
     split = lambda a: jnp.moveaxis(a.reshape(B, C, S // C, *a.shape[2:]), 1, 0)
     _, (nll_C, zsq_C, pred_CxBxT) = jax.lax.scan(
         jax.checkpoint(tile, policy=_SAVE_NOTHING), None,
@@ -160,19 +169,22 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
 
 
 def naive_mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
-                   z_loss: float = 0.0):
+                   z_loss: float = 0.0, vocab_size: int | None = None):
   """Reference: every head's logits materialised at once, O(nV + d). Tests and benchmarks."""
-  return summarise(naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS),
-                   weights_N, z_loss)
+  return summarise(naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS,
+                                  vocab_size=vocab_size), weights_N, z_loss)
 
 
-def naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS):
+def naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *,
+                   vocab_size: int | None = None):
   """`mtp_sums` with every head's logits at once."""
   N = h_NxBxSxD.shape[0]
   tgt_NxBxS, mask_NxBxS = targets_and_mask(tokens_BxS, segment_ids_BxS, N)
   logits_NxBxSxV = jnp.einsum("nbsd,dv->nbsv", h_NxBxSxD,
                               unembed_DxV.astype(h_NxBxSxD.dtype),
                               preferred_element_type=jnp.float32)
+  if vocab_size is not None:
+    logits_NxBxSxV = mask_pad_logits(logits_NxBxSxV, vocab_size)
   logp_NxBxSxV = jax.nn.log_softmax(logits_NxBxSxV, axis=-1)
   lse_NxBxS = jax.nn.logsumexp(logits_NxBxSxV, axis=-1)
   m = mask_NxBxS.astype(jnp.float32)
@@ -188,7 +200,8 @@ def model_sums(params, model, config, batch):
   accumulates over micro-batches."""
   h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
   return mtp_sums(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
-                  batch.get("segment_ids"), token_chunks=config.loss.token_chunks)
+                  batch.get("segment_ids"), token_chunks=config.loss.token_chunks,
+                  vocab_size=model.args.vocab_size)
 
 
 def model_loss(params, model, config, batch, *, naive: bool = False):
@@ -197,5 +210,6 @@ def model_loss(params, model, config, batch, *, naive: bool = False):
   if naive:
     h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
     return naive_mtp_loss(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
-                          batch.get("segment_ids"), w, z_loss=config.loss.z_loss)
+                          batch.get("segment_ids"), w, z_loss=config.loss.z_loss,
+                          vocab_size=model.args.vocab_size)
   return summarise(model_sums(params, model, config, batch), w, config.loss.z_loss)

@@ -3,6 +3,10 @@ the registry in `heads.py`. `apply` returns per-head hidden states h_NxBxSxD (no
 when decoding, the updated KV cache; never the logits of all heads at once. The loss (and the
 decoder) unembed with `unembedding(params, args)`.
 
+The vocabulary is padded to `args.padded_vocab` rows (model.vocab_multiple) so that it splits
+over a mesh axis and fills the matrix units; pad ids never win: `mask_pad_logits` gives them
+-inf in the loss; `logits` and the heads' decoding drafts see the real columns only.
+
 Gloeckle et al. 2024 §2: z = f_s(x), h_i = f_{h_i}(z), p_i = softmax(f_u(h_i)).
 """
 
@@ -63,7 +67,7 @@ class MTPModel(nn.Module):
     B, S = tokens_BxS.shape
     if positions_BxS is None:
       positions_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    embed = nn.Embed(a.vocab_size, a.d_model, dtype=a.dtype, name="embed",
+    embed = nn.Embed(a.padded_vocab, a.d_model, dtype=a.dtype, name="embed",
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(0.02), ("vocab", "embed")))
     x_BxSxD = embed(tokens_BxS) if embeddings_BxSxD is None else embeddings_BxSxD
@@ -74,11 +78,13 @@ class MTPModel(nn.Module):
     else:
       unembed_DxV = self.param("unembed", nn.with_logical_partitioning(
           nn.initializers.normal(a.d_model ** -0.5), ("embed", "vocab")),
-                               (a.d_model, a.vocab_size), jnp.float32)
+                               (a.d_model, a.padded_vocab), jnp.float32)
+    # Heads argmax over Shared.unembed_DxV when drafting (sequential depths): the real columns
+    # only, so a pad id is never a draft (unused, hence compiled away, in training).
     shared = heads.Shared(x_BxSxD=x_BxSxD, positions_BxS=positions_BxS,
                           segment_ids_BxS=segment_ids_BxS,
                           norm_D=norm_param(self, "norm", a.d_model), embed_VxD=embed.embedding,
-                          unembed_DxV=unembed_DxV, decoding=decoding,
+                          unembed_DxV=unembed_DxV[:, :a.vocab_size], decoding=decoding,
                           reads=reads)
     h_NxBxSxD, head_cache = heads.KINDS[a.head_kind](a, name="heads")(
         z_BxSxD, shared, None if cache is None else cache["heads"])
@@ -103,14 +109,28 @@ def init_params(model: MTPModel, rng: jax.Array, seq_len: int = 8) -> Any:
 
 
 def unembedding(params, args: ModelArgs) -> jax.Array:
-  """The shared output matrix W_DxV (the transposed embedding when tied)."""
+  """The shared output matrix W_DxV (the transposed embedding when tied), V = args.padded_vocab
+  columns: mask the logits of the pad ones (`mask_pad_logits`)."""
   return params["embed"]["embedding"].T if args.tie_embeddings else params["unembed"]
 
 
+def mask_pad_logits(logits_xV: jax.Array, vocab_size: int) -> jax.Array:
+  """-inf at the pad ids (>= vocab_size): they never win an argmax, get no probability and no
+  share of a softmax, and their unembedding columns get no gradient. A no-op when unpadded."""
+  if logits_xV.shape[-1] <= vocab_size:
+    return logits_xV
+  real_V = jnp.arange(logits_xV.shape[-1]) < vocab_size
+  return jnp.where(real_V, logits_xV, -jnp.inf)
+
+
 def logits(params, args: ModelArgs, h_NxBxSxD) -> jax.Array:
-  """Logits of the given heads, f32: for decoding and tests; the loss never calls this."""
-  return jnp.einsum("nbsd,dv->nbsv", h_NxBxSxD, unembedding(params, args).astype(h_NxBxSxD.dtype),
-                    preferred_element_type=jnp.float32)
+  """Logits of the given heads over the real ids (args.vocab_size wide, the pad columns cut
+  off: a decoder or sampler cannot pick a pad id), f32: for decoding, sampling and tests; the
+  loss never calls this."""
+  logits_NxBxSxV = jnp.einsum("nbsd,dv->nbsv", h_NxBxSxD,
+                              unembedding(params, args).astype(h_NxBxSxD.dtype),
+                              preferred_element_type=jnp.float32)
+  return logits_NxBxSxV[..., :args.vocab_size]
 
 
 def init_decode_cache(args: ModelArgs, batch: int, length: int, dtype=jnp.float32):

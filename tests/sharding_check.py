@@ -5,8 +5,9 @@
 tests/test_sharding.py runs this once (the rest of the suite keeps one device: the device count
 is fixed when jax starts) and asserts on the JSON it writes. Everything happens in one process
 so that jax starts once and each program compiles once. Meshes (data, fsdp, tensor) = (8,1,1),
-(1,8,1), (2,2,2); every head kind; a model whose sharded sizes divide by 8 (d_model 64, vocab 64,
-4 attention heads, 2 kv heads, d_ff 128).
+(1,8,1), (2,2,2); every head kind; a model whose sharded sizes divide by 8 (d_model 64, vocab 64
+padded to 128 rows by the default model.vocab_multiple, 4 attention heads, 2 kv heads, d_ff 128);
+and the byte vocabulary (259 ids, 384 rows) on (2,2,2), which `tensor` = 2 refuses unpadded.
 """
 
 from __future__ import annotations
@@ -266,6 +267,52 @@ def check_decode(results):
   print("decode", out, flush=True)
 
 
+def byte_config(kind, n_future=2, mesh=(1, 1, 1)):
+  """The byte tokenizer's vocabulary, 259 ids: 384 rows (model.vocab_multiple = 128)."""
+  c = make_config(kind, n_future=n_future, mesh=mesh)
+  c.model.vocab_size = 259
+  return c
+
+
+def check_byte_vocab(results):
+  """Padded byte vocabulary on (2,2,2): loss and grads (pad logits masked on sharded logits)
+  equal one device's; speculative decoding (sequential drafts read the real columns of a
+  `tensor`-sharded unembedding) gives one device's tokens."""
+  batch = make_batch(2)
+  batch["tokens"] = np.random.default_rng(2).integers(0, 259, (8, 16)).astype(np.int32)
+  for kind in ("parallel", "sequential"):
+    t0 = time.perf_counter()
+    cfg1, cfg = byte_config(kind), byte_config(kind, mesh=(2, 2, 2))
+    params = random_params(build_model(cfg1), seed=4)
+    (rl, rm), rg = loss_and_grads(cfg1, params, batch)[0]
+    ((loss, metrics), grads), (param_sh, _) = loss_and_grads(cfg, params, batch,
+                                                             shard_lib.make_mesh(cfg))
+    name = f"{kind}/2,2,2/vocab259"
+    emb = specs(param_sh)["['embed']['embedding']"]
+    results["loss_grads"][name] = {
+        "loss_cmp": compare(loss, rl), "head_loss_cmp": compare(metrics["head_loss"],
+                                                                rm["head_loss"]),
+        "grads_cmp": compare(grads, rg),
+        "embedding_shape": list(params["embed"]["embedding"].shape),
+        "embedding_spec": emb, "seconds": round(time.perf_counter() - t0, 2)}
+    print(name, results["loss_grads"][name], flush=True)
+  prompts = [[5, 200, 1], [258], [3, 3, 8, 2, 111], [4, 6]]
+  cfg1, cfg = byte_config("sequential", 3), byte_config("sequential", 3, mesh=(2, 2, 2))
+  model = build_model(cfg1)
+  params = random_params(model, seed=5)
+  kw = dict(max_new_tokens=10, k=3, eos_id=258, pad_id=256)
+  ref = decode_lib.decode(params, model.args, prompts, **kw)
+  param_sh = train_lib.state_shardings(model, optim_lib.make_optimizer(cfg), cfg,
+                                       shard_lib.make_mesh(cfg)).params
+  res = decode_lib.decode(jax.device_put(params, param_sh), model.args, prompts, **kw)
+  results.setdefault("decode", {})["sequential/2,2,2/vocab259"] = {
+      "tokens_equal": bool(np.array_equal(res.tokens, ref.tokens)),
+      "lengths_equal": bool(np.array_equal(res.lengths, ref.lengths)),
+      "cycles": int(res.cycles.sum()), "cycles_one_device": int(ref.cycles.sum()),
+      "max_token": int(res.tokens.max())}
+  print("decode vocab259", results["decode"]["sequential/2,2,2/vocab259"], flush=True)
+
+
 def check_errors(results):
   errs = {}
   for name, fn in {
@@ -294,7 +341,7 @@ def _shardings(c):
 
 def _vocab61():
   c = make_config(mesh=(2, 2, 2))
-  c.model.vocab_size = 61
+  c.model.vocab_size, c.model.vocab_multiple = 61, 1  # unpadded
   return c
 
 
@@ -310,7 +357,8 @@ def main(argv):
   results = {"n_devices": jax.device_count(), "loss_grads": {}, "rtol": RTOL, "atol": ATOL}
   t0 = time.perf_counter()
   checks = {"errors": check_errors, "loss_grads": check_loss_grads,
-            "train_step": check_train_step, "decode": check_decode}
+            "train_step": check_train_step, "decode": check_decode,
+            "byte_vocab": check_byte_vocab}
   with tempfile.TemporaryDirectory() as tmp:
     for name, fn in checks.items():
       if not only or name in only:

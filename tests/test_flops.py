@@ -91,12 +91,15 @@ def test_causal_half_halves_attention_only():
 @pytest.mark.parametrize("kind", ["parallel", "projection", "sequential"])
 def test_matmul_flops_are_twice_the_weights_used_per_token(kind):
   """The count read from the config against the real model's parameter shapes: every kernel is
-  used once per token, the (tied) embedding once per head as the unembedding; norms are free."""
+  used once per token, the (tied) embedding once per head as the unembedding, its real rows
+  (model.vocab_multiple's pad rows are no model FLOPs); norms are free."""
   c = tiny_config(kind, 3)
   shapes = jax.eval_shape(lambda: init_params(build_model(c), jax.random.PRNGKey(0)))
   leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
   kernels = sum(s.size for p, s in leaves if p[-1].key == "kernel")
   embedding = shapes["embed"]["embedding"].size
+  assert embedding == 128 * c.model.d_model  # padded: 61 ids take 128 rows
+  embedding = c.model.vocab_size * c.model.d_model
   f = forward(c)
   assert f["trunk"] + f["heads"] + f["unembedding"] == 2 * (kernels + 3 * embedding)
 

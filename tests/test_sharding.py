@@ -1,5 +1,6 @@
 """Sharding on 8 simulated CPU devices: sharded = one device, for every head kind and the meshes
-(data, fsdp, tensor) = (8,1,1), (1,8,1), (2,2,2); FSDP memory per device; checkpoints restored
+(data, fsdp, tensor) = (8,1,1), (1,8,1), (2,2,2); the padded byte vocabulary on (2,2,2); FSDP
+memory per device; checkpoints restored
 on another mesh; decoding on a mesh; clear errors; the memory planner at a small size.
 
 The device count is fixed when jax starts, so the 8-device checks run in their own process
@@ -71,6 +72,19 @@ def test_stacked_head_axis_sharded_by_a_rule(results, name):
   assert kernels and all(v.startswith("P('tensor'") for v in kernels.values()), kernels
   default = results["loss_grads"][name.split("/")[0] + "/2,2,2"]["head_specs"]
   assert all(v.startswith("P(None") for k, v in default.items() if k.endswith("['kernel']"))
+
+
+@pytest.mark.parametrize("kind", ("parallel", "sequential"))
+def test_byte_vocabulary_padded_on_tensor_2(results, kind):
+  """259 ids do not split over tensor = 2; padded to 384 rows (model.vocab_multiple) they do,
+  and the loss and gradients (pad logits masked) equal one device's."""
+  r = results["loss_grads"][f"{kind}/2,2,2/vocab259"]
+  assert _allclose(r["loss_cmp"]) and _allclose(r["head_loss_cmp"]), r
+  assert _allclose(r["grads_cmp"]), r["grads_cmp"]
+  assert r["embedding_shape"] == [384, 64] and r["embedding_spec"].startswith("P('tensor'"), r
+  d = results["decode"]["sequential/2,2,2/vocab259"]
+  assert d["tokens_equal"] and d["lengths_equal"] and d["cycles"] == d["cycles_one_device"], d
+  assert d["max_token"] < 259
 
 
 def test_train_step_on_mesh_equals_one_device(results):

@@ -20,7 +20,8 @@ from mtp_jax.convert.command import main
 from mtp_jax.convert.from_hf import import_hf
 from mtp_jax.convert.layouts import (BLOCK, Entry, block_entries, check_tensors,
                                      deepseek_entries, llama_entries, meta_entries, param_shapes,
-                                     read_params, to_ours, to_torch, torch_shape)
+                                     read_params, real_shape, to_ours, to_torch, torch_shape,
+                                     unpad)
 from mtp_jax.convert.readers import META_SPLIT, MetaShards, Safetensors
 from mtp_jax.convert.workdir import (check_out, export_hf, import_deepseek, import_meta,
                                      prepare_config, write_workdir)
@@ -28,5 +29,5 @@ from mtp_jax.convert.workdir import (check_out, export_hf, import_deepseek, impo
 __all__ = ["BLOCK", "META_SPLIT", "Entry", "MetaShards", "Safetensors", "block_entries",
            "check_out", "check_tensors", "deepseek_entries", "export_hf", "import_deepseek",
            "import_hf", "import_meta", "llama_entries", "main", "meta_entries", "param_shapes",
-           "prepare_config", "read_params", "to_ours", "to_torch", "torch_shape",
-           "write_workdir"]
+           "prepare_config", "read_params", "real_shape", "to_ours", "to_torch", "torch_shape",
+           "unpad", "write_workdir"]

@@ -10,6 +10,10 @@ Torch and HF Linear weights are [out, in]; our kernels are [in..., out...], so k
 reshaped. Meta's RoPE rotates interleaved pairs (x_2i, x_2i+1) (complex multiply); ours and HF's
 rotate halves (x_i, x_i+E/2), so Meta's wq/wk rows are permuted within each head, row 2i + p ->
 p * E/2 + i (as HF's convert_llama_weights_to_hf): q.k, hence attention, is unchanged.
+
+Our embedding and unembedding are padded to `ModelArgs.padded_vocab` (model.vocab_multiple);
+foreign checkpoints hold the real vocab_size: imported tensors fill the first rows (pad rows are
+zero, and masked anyway), exports keep the real rows (`Entry.vocab_axis`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,30 @@ class Entry:
   index: int | None = None  # slot on the parameter's stacked (layers / heads) axis
   n_in: int = 0  # leading axes of our kernel that are torch's input; 0: copied as is
   rope_heads: int = 0  # Meta wq/wk: heads whose rows go from interleaved to rotate-half
+  vocab_axis: int | None = None  # our axis that is the (padded) vocabulary ...
+  vocab: int = 0  # ... and its real size, the foreign tensor's
+
+
+def real_shape(e: Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """Our (per-slot) shape with the vocabulary axis at its real size: the foreign tensor's."""
+  if e.vocab_axis is None:
+    return tuple(shape)
+  return tuple(e.vocab if i == e.vocab_axis else n for i, n in enumerate(shape))
+
+
+def unpad(x: np.ndarray, e: Entry) -> np.ndarray:
+  """Our parameter with the pad rows of its vocabulary axis dropped (for an export)."""
+  if e.vocab_axis is None:
+    return x
+  return x[(slice(None),) * e.vocab_axis + (slice(0, e.vocab),)]
+
+
+def vocab_entries(a: ModelArgs, embed: str, unembed: str | None) -> list[Entry]:
+  """The embedding (rows: vocabulary) and, if named, the untied output matrix (ours [D, V])."""
+  out = [Entry(embed, ("embed", "embedding"), vocab_axis=0, vocab=a.vocab_size)]
+  if unembed:
+    out.append(Entry(unembed, ("unembed",), n_in=1, vocab_axis=1, vocab=a.vocab_size))
+  return out
 
 
 def torch_shape(e: Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -78,8 +106,8 @@ def block_entries(prefix: str, dst: tuple[str, ...], index: int | None, a: Model
 
 def meta_entries(a: ModelArgs) -> list[Entry]:
   """facebook/multi-token-prediction: `layers` = trunk + head 1, `extra_heads` = heads 2..n."""
-  out = [Entry("tok_embeddings.weight", ("embed", "embedding")), Entry("norm.weight", ("norm",)),
-         Entry("output.weight", ("unembed",), n_in=1)]
+  out = vocab_entries(a, "tok_embeddings.weight", "output.weight") + [
+      Entry("norm.weight", ("norm",))]
   for i in range(a.n_trunk):
     out += block_entries(f"layers.{i}.", ("trunk", "layers"), i, a, meta=True)
   heads = heads_lib.KINDS["parallel"]
@@ -94,10 +122,9 @@ def meta_entries(a: ModelArgs) -> list[Entry]:
 def llama_entries(a: ModelArgs) -> list[Entry]:
   """HF LlamaForCausalLM of trunk + head 1: parallel heads add head 1's block; projection and
   sequential heads' head 1 is the trunk itself."""
-  out = [Entry("model.embed_tokens.weight", ("embed", "embedding")),
-         Entry("model.norm.weight", ("norm",))]
-  if not a.tie_embeddings:
-    out.append(Entry("lm_head.weight", ("unembed",), n_in=1))
+  out = vocab_entries(a, "model.embed_tokens.weight",
+                     None if a.tie_embeddings else "lm_head.weight") + [
+      Entry("model.norm.weight", ("norm",))]
   for i in range(a.n_trunk):
     dst, index = (("trunk", "layers"), i) if a.scan_layers else (("trunk", f"layers_{i}"), None)
     out += block_entries(f"model.layers.{i}.", dst, index, a, meta=False)
@@ -126,7 +153,7 @@ def check_tensors(source, entries: list[Entry], shapes: dict, ckpt: str, layout:
   want = {e.src: e for e in entries}
   have = set(source.keys())
   for e in entries:
-    s = shapes[e.dst].shape[0 if e.index is None else 1:]
+    s = real_shape(e, shapes[e.dst].shape[0 if e.index is None else 1:])
     expected = torch_shape(e, s)
     if e.src not in have:
       raise ValueError(f"--ckpt: {ckpt} has no tensor {e.src!r} (expected shape {expected} for "
@@ -141,15 +168,16 @@ def check_tensors(source, entries: list[Entry], shapes: dict, ckpt: str, layout:
 
 
 def read_params(source, entries: list[Entry], shapes: dict, dtype) -> dict:
-  """Our params tree, filled tensor by tensor (checked with `check_tensors` first)."""
+  """Our params tree, filled tensor by tensor (checked with `check_tensors` first); the pad
+  rows of a padded vocabulary are zero."""
   out = {path: np.empty(s.shape, dtype) for path, s in shapes.items()}
   filled = {path: 0 for path in shapes}
   for e in entries:
-    x = to_ours(source.get(e.src), e, out[e.dst].shape[0 if e.index is None else 1:])
-    if e.index is None:
-      out[e.dst][...] = x
-    else:
-      out[e.dst][e.index] = x
+    slot = out[e.dst] if e.index is None else out[e.dst][e.index]  # a view
+    x = to_ours(source.get(e.src), e, real_shape(e, slot.shape))
+    if e.vocab_axis is not None:
+      slot[...] = 0
+    slot[tuple(slice(0, n) for n in x.shape)] = x
     filled[e.dst] += 1
   for path, n in filled.items():  # the tables above are wrong if this fails
     want = 1 if not any(e.dst == path and e.index is not None for e in entries) else len(out[path])

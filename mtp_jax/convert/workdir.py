@@ -19,7 +19,7 @@ from flax import traverse_util
 from mtp_jax import config as config_lib
 from mtp_jax.checkpoint import Checkpointer, checkpoint_dir
 from mtp_jax.convert.layouts import (check_tensors, deepseek_entries, llama_entries, meta_entries,
-                                     param_shapes, read_params, to_torch)
+                                     param_shapes, read_params, to_torch, unpad)
 from mtp_jax.convert.readers import MetaShards, Safetensors, read_json
 from mtp_jax.data import tokenizers
 
@@ -200,7 +200,7 @@ def export_hf(workdir: str, out: str) -> dict:
   tensors = {}
   for e in llama_entries(a):
     x = flat[e.dst] if e.index is None else flat[e.dst][e.index]
-    tensors[e.src] = to_torch(np.asarray(x, np.float32), e)
+    tensors[e.src] = to_torch(np.asarray(unpad(x, e), np.float32), e)  # the real vocab_size
   del flat
   hf = {
       "architectures": ["LlamaForCausalLM"], "model_type": "llama",

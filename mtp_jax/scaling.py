@@ -60,11 +60,15 @@ def acceptance_proxy(agree: list[float]) -> float:
 
 
 def _embedding_params(config: dict | None) -> int | None:
-  """Parameters of the embedding (and of the untied output matrix): vocab_size * d_model each."""
+  """Parameters of the embedding (and of the untied output matrix): rows * d_model each, rows
+  the vocabulary padded to model.vocab_multiple (config.padded_vocab; a config saved before the
+  field existed has no padding)."""
   if not config:
     return None
   m = config["model"]
-  return m["vocab_size"] * m["d_model"] * (1 if m.get("tie_embeddings", True) else 2)
+  multiple = int(m.get("vocab_multiple", 1))
+  rows = -(-int(m["vocab_size"]) // multiple) * multiple
+  return rows * m["d_model"] * (1 if m.get("tie_embeddings", True) else 2)
 
 
 def gather_results(root: str) -> list[dict]:

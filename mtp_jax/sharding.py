@@ -79,10 +79,11 @@ def _check_divisible(path, shape, logical, spec, mesh: Mesh) -> None:
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
     n = math.prod(mesh.shape[a] for a in axes)
     if size % n:
+      fix = ("raise config.model.vocab_multiple (the vocabulary is padded to a multiple of it)"
+             if names == "vocab" else "change that size in config.model")
       raise ValueError(
           f"config.mesh.rules: {_path_name(path)} dim {dim} ({names!r}, size {size}) "
-          f"does not split over mesh axes {axes} ({n} devices); change that size in "
-          f"config.model or map {names!r} to None")
+          f"does not split over mesh axes {axes} ({n} devices); {fix} or map {names!r} to None")
 
 
 def logical_shardings(boxed_tree, mesh: Mesh, config: ml_collections.ConfigDict):

@@ -79,6 +79,29 @@ def check_inputs(config: ml_collections.ConfigDict, workdir: str | None):
                      f"{config.model.vocab_size}")
 
 
+def check_resume(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """A workdir with checkpoints resumes with the model it was trained with: a model field that
+  differs (e.g. a default changed since, such as model.vocab_multiple) is one line naming it,
+  before config.json is overwritten, so nothing already saved is lost."""
+  saved_path = os.path.join(workdir, "config.json")
+  ckpts = os.path.join(workdir, "checkpoints")
+  if not (os.path.isfile(saved_path) and os.path.isdir(ckpts) and any(
+      name.isdigit() for name in os.listdir(ckpts))):
+    return
+  saved = config_lib.load_json(saved_path).model.to_dict()
+  wanted = config.model.to_dict()
+  flat = lambda d, pre="": {k2: v2 for k, v in d.items() for k2, v2 in (
+      flat(v, f"{pre}{k}.").items() if isinstance(v, dict) else [(f"{pre}{k}", v)])}
+  saved, wanted = flat(saved), flat(wanted)
+  for field in sorted(wanted):
+    norm = lambda v: list(v) if isinstance(v, tuple) else v  # JSON has lists, configs tuples
+    if field in saved and norm(saved[field]) != norm(wanted[field]):
+      raise ValueError(
+          f"config.model.{field}: {workdir} has checkpoints of a model with {saved[field]!r}, "
+          f"got {wanted[field]!r}; pass --config.model.{field}={saved[field]} to resume it, or "
+          "use a new --workdir")
+
+
 def evaluate(eval_step, params, config, batch_sharding) -> dict:
   """Token-weighted mean of per-head loss / accuracy / agreement over the first
   `train.eval_batches` validation batches (the same ones every time)."""
@@ -104,6 +127,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   shard_lib.maybe_initialize_distributed(config.mesh.distributed)  # before process_index is read
   train_it = pipeline.make_iterator(config, "train")
   next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now, not at eval
+  check_resume(config, workdir)
   os.makedirs(workdir, exist_ok=True)
   config_lib.save_json(config, os.path.join(workdir, "config.json"))
 

@@ -81,7 +81,7 @@ def test_results_csv_row_per_run(micro):
     n_params, tokens = int(r["n_params"]), int(r["tokens_seen"])
     assert tokens == 10 * 4 * 32  # steps x batch x seq_len of the micro sweep on tiny.py
     assert float(r["compute"]) == pytest.approx(6 * n_params * tokens)
-    assert int(r["n_params_nonembed"]) == n_params - 259 * int(r["model.d_model"])
+    assert int(r["n_params_nonembed"]) == n_params - 384 * int(r["model.d_model"])  # 259 -> 384
     agree = [float(r[f"eval/head{k}_agree"]) for k in range(1, n + 1)]
     assert float(r["accept_proxy"]) == pytest.approx(scaling.acceptance_proxy(agree))
     params.setdefault(r["model.d_model"], set()).add(n_params)

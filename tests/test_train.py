@@ -100,6 +100,13 @@ def test_exact_resume_after_stop(corpus, reference, tmp_path):
   wd = tmp_path / "run"
   run_train(corpus, wd, "--config.train.stop_at=10")
   assert summary(wd)["step"] == 10
+  # Resuming with another model (here a changed vocabulary padding) is refused in one line,
+  # before the workdir's config.json is touched.
+  saved = (wd / "config.json").read_bytes()
+  p = run_train(corpus, wd, "--config.model.vocab_multiple=64", check=False)
+  assert p.returncode == 2, p.stderr[-2000:]
+  assert p.stderr.strip().startswith("error: config.model.vocab_multiple:"), p.stderr[-2000:]
+  assert len(p.stderr.strip().splitlines()) == 1 and (wd / "config.json").read_bytes() == saved
   run_train(corpus, wd)
   assert summary(wd)["params_sha256"] == reference["summary"]["params_sha256"]
   assert batch_hashes(wd) == batch_hashes(reference["workdir"])

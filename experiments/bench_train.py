@@ -25,7 +25,8 @@ import time
 
 from mtp_jax import runtime
 
-runtime.apply_cpu_defaults()  # before jax starts: XLA flags, malloc huge pages (README)
+if __name__ == "__main__":  # before jax starts: XLA flags, malloc huge pages (README)
+  runtime.apply_cpu_defaults()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -85,7 +85,7 @@ def make_peer(config, seed: int = 0):
     if o.grad_clip > 0:
       torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
   n_params = sum(p.numel() for p in model.parameters())
   return step, tokens.numel(), n_params

@@ -1,7 +1,8 @@
 """CPU defaults that an entry point applies before JAX starts its backend (issue 18).
 
-    from mtp_jax import runtime
-    runtime.apply_cpu_defaults()   # first lines of the entry point, before `import jax`
+    if __name__ == "__main__":  # top of an entry-point module, before `import jax`
+      from mtp_jax import runtime
+      runtime.apply_cpu_defaults()
 
 On a CPU backend (JAX_PLATFORMS=cpu, or no GPU/TPU plugin installed) it does two things, each
 only where the user has not already decided:

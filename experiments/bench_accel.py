@@ -29,6 +29,10 @@ model instead, on held-out windows of its validation split.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
+  from mtp_jax import runtime
+  runtime.apply_cpu_defaults()
+
 import argparse
 import json
 import os

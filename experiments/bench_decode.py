@@ -28,6 +28,10 @@ of a cycle beyond the k-token forward (acceptance, sampling, cache bookkeeping).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
+  from mtp_jax import runtime
+  runtime.apply_cpu_defaults()
+
 import argparse
 import json
 import os

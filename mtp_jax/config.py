@@ -70,6 +70,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.remat_policy = "none"
   c.model.scan_layers = True
   c.model.dtype = "float32"  # compute dtype; params stay float32
+  c.model.attention_impl = "auto"  # mtp_jax/attention.py: auto, einsum, cpu, xla, cudnn, splash
   c.model.heads = ml_collections.ConfigDict()
   c.model.heads.kind = "parallel"
   # Parallel head blocks: "vmap" runs them side by side (fast on small models); "scan" runs one
@@ -313,6 +314,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _validate_floats(c)
   _choice(c, "model.remat_policy", REMAT_POLICIES)
   _choice(c, "model.dtype", DTYPES)
+  _choice(c, "model.attention_impl", ("auto", "einsum", "cpu", "xla", "cudnn", "splash"))
   for field in ("vocab_size", "vocab_multiple", "d_model", "n_layers", "n_heads", "n_kv_heads",
                 "d_ff", "max_len"):
     if int(getattr(m, field)) < 1:

@@ -12,6 +12,10 @@ per forward) and the speed-up over greedy decoding of the first batch.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
+  from mtp_jax import runtime
+  runtime.apply_cpu_defaults()
+
 import concurrent.futures
 import dataclasses
 import json

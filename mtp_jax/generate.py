@@ -15,6 +15,10 @@ identical (they must be); sampled, the two modes' tokens per forward (their toke
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
+  from mtp_jax import runtime
+  runtime.apply_cpu_defaults()
+
 import dataclasses
 import os
 import sys

@@ -14,13 +14,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtp_jax import sharding
+from mtp_jax import attention, sharding
 
 if TYPE_CHECKING:  # for annotations only: config imports the heads, which import this module
   from mtp_jax.config import ModelArgs
 
 Cache = dict[str, jax.Array]  # {"k": [B, L, K, E], "v": [B, L, K, E]}
-_NEG = -1e30
 
 
 def dense_init(axes):
@@ -90,14 +89,14 @@ class Attention(nn.Module):
   """Causal grouped-query attention. Without a cache, query t sees keys s <= t of its own
   segment (packed documents never attend to each other). With a cache, the new keys are written
   at `positions` and query t sees cache slots s <= t: stale slots past a row's length are never
-  read before being overwritten, which is what makes rollback-by-length decoding exact."""
+  read before being overwritten, which is what makes rollback-by-length decoding exact.
+  The kernel is `args.attention_impl` (mtp_jax.attention: einsum, cpu, xla, cudnn, splash, auto)."""
   args: ModelArgs
 
   @nn.compact
   def __call__(self, x_BxSxD, positions_BxS, segment_ids_BxS=None, cache: Cache | None = None):
     a = self.args
     H, K, E = a.n_heads, a.n_kv_heads, a.head_dim
-    G = H // K
     proj = lambda feats, axes, name: nn.DenseGeneral(
         feats, use_bias=False, dtype=a.dtype, kernel_init=dense_init(axes), name=name)
     q_BxSxHxE = tokens_2d(proj((H, E), ("embed", "heads", "head_dim"), "wq"))(x_BxSxD)
@@ -108,9 +107,6 @@ class Attention(nn.Module):
 
     if cache is None:
       k_BxTxKxE, v_BxTxKxE = k_BxSxKxE, v_BxSxKxE
-      mask_BxSxT = positions_BxS[:, :, None] >= positions_BxS[:, None, :]
-      if segment_ids_BxS is not None:
-        mask_BxSxT &= segment_ids_BxS[:, :, None] == segment_ids_BxS[:, None, :]
       new_cache = None
     else:
       B = x_BxSxD.shape[0]
@@ -118,17 +114,10 @@ class Attention(nn.Module):
       k_BxTxKxE = cache["k"].at[rows_Bx1, positions_BxS].set(k_BxSxKxE.astype(cache["k"].dtype))
       v_BxTxKxE = cache["v"].at[rows_Bx1, positions_BxS].set(v_BxSxKxE.astype(cache["v"].dtype))
       new_cache = {"k": k_BxTxKxE, "v": v_BxTxKxE}
-      key_pos_T = jnp.arange(k_BxTxKxE.shape[1])
-      mask_BxSxT = key_pos_T[None, None, :] <= positions_BxS[:, :, None]
-
-    B, S = q_BxSxHxE.shape[:2]
-    q_BxSxKxGxE = q_BxSxHxE.reshape(B, S, K, G, E)
-    logits_BxKxGxSxT = jnp.einsum("bskge,btke->bkgst", q_BxSxKxGxE, k_BxTxKxE.astype(a.dtype),
-                                  preferred_element_type=jnp.float32) / jnp.sqrt(E)
-    logits_BxKxGxSxT = jnp.where(mask_BxSxT[:, None, None], logits_BxKxGxSxT, _NEG)
-    probs = jax.nn.softmax(logits_BxKxGxSxT, axis=-1).astype(a.dtype)
-    out_BxSxKxGxE = jnp.einsum("bkgst,btke->bskge", probs, v_BxTxKxE.astype(a.dtype))
-    out_BxSxHxE = out_BxSxKxGxE.reshape(B, S, H, E)
+    out_BxSxHxE = attention.attend(
+        q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS,
+        None if cache is not None else segment_ids_BxS, cached=cache is not None,
+        impl=a.attention_impl, dtype=a.dtype)
     out_BxSxD = tokens_2d(nn.DenseGeneral(
         a.d_model, axis=(-2, -1), use_bias=False, dtype=a.dtype,
         kernel_init=dense_init(("heads", "head_dim", "embed")), name="wo"))(out_BxSxHxE)

@@ -12,6 +12,10 @@ training stopped, 4 checkpoint failure.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
+  from mtp_jax import runtime
+  runtime.apply_cpu_defaults()
+
 import json
 import os
 import signal
@@ -79,6 +83,12 @@ def check_inputs(config: ml_collections.ConfigDict, workdir: str | None):
                      f"{config.model.vocab_size}")
 
 
+# Model fields that change how the same parameters are computed, not what they are: a run may
+# resume with other values (e.g. a faster remat policy or attention kernel).
+RUNTIME_MODEL_FIELDS = frozenset({"remat_policy", "attention_impl", "dtype", "max_len",
+                                  "heads.parallel_stack"})
+
+
 def check_resume(config: ml_collections.ConfigDict, workdir: str) -> None:
   """A workdir with checkpoints resumes with the model it was trained with: a model field that
   differs (e.g. a default changed since, such as model.vocab_multiple) is one line naming it,
@@ -93,7 +103,7 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str) -> None:
   flat = lambda d, pre="": {k2: v2 for k, v in d.items() for k2, v2 in (
       flat(v, f"{pre}{k}.").items() if isinstance(v, dict) else [(f"{pre}{k}", v)])}
   saved, wanted = flat(saved), flat(wanted)
-  for field in sorted(wanted):
+  for field in sorted(set(wanted) - RUNTIME_MODEL_FIELDS):
     norm = lambda v: list(v) if isinstance(v, tuple) else v  # JSON has lists, configs tuples
     if field in saved and norm(saved[field]) != norm(wanted[field]):
       raise ValueError(

@@ -1,0 +1,135 @@
+"""Train-step time under the CPU defaults of `mtp_jax.runtime`, each attention kernel and remat.
+
+    python experiments/bench_cpu_defaults.py --json experiments/results/bench_cpu_defaults.json
+    python experiments/bench_cpu_defaults.py --envs ynn_off+hugetlb --impls cpu \
+        --remats none,dots_saveable,full --json experiments/results/bench_cpu_remat.json
+
+XLA flags and glibc tunables are per process, so every (environment, attention_impl) variant is
+a worker process that compiles the default-size train step once, then waits; the driver asks the
+workers for one step each, round after round, so machine noise (other jobs on the same cores)
+hits all variants alike. Reports medians and ratios to the first variant; quote the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+# name -> environment changes; "none" is what a user got before mtp_jax.runtime.
+ENVS = {
+    "none": {},
+    "ynn_off": {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=-individual_dot"},
+    "hugetlb": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+    "ynn_off+hugetlb": {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=-individual_dot",
+                        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+}
+
+
+def worker(args):
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import jax  # noqa: PLC0415  (after the driver set this process's environment)
+
+  import bench_train  # noqa: PLC0415
+  from mtp_jax.config import load_file  # noqa: PLC0415
+  c = load_file(args.config)
+  c.model.heads.kind, c.model.n_future = args.kind, args.n_future
+  c.model.attention_impl = args.impl
+  c.model.remat_policy = args.remat
+  for kv in args.set:
+    key, value = kv.split("=", 1)
+    section, field = key.rsplit(".", 1)
+    node = c
+    for part in section.split("."):
+      node = getattr(node, part)
+    old = getattr(node, field)
+    setattr(node, field, value.lower() in ("1", "true") if isinstance(old, bool)
+            else type(old)(value))
+  run, tokens, _, compile_s = bench_train.jax_run(c)
+  print(json.dumps({"ready": True, "compile_s": compile_s, "tokens": tokens,
+                    "backend": jax.default_backend()}), flush=True)
+  for line in sys.stdin:
+    if line.strip() != "step":
+      break
+    t, cpu = time.perf_counter(), time.process_time()
+    run()
+    print(json.dumps({"s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu}),
+          flush=True)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--config", default="configs/ntp.py")
+  ap.add_argument("--kind", default="parallel")
+  ap.add_argument("--n_future", type=int, default=1)
+  ap.add_argument("--envs", default="none,ynn_off,hugetlb,ynn_off+hugetlb",
+                  help=f"comma list from {list(ENVS)}")
+  ap.add_argument("--impls", default="einsum,cpu", help="model.attention_impl values")
+  ap.add_argument("--remats", default="none", help="model.remat_policy values")
+  ap.add_argument("--steps", type=int, default=8, help="timed rounds")
+  ap.add_argument("--warmup", type=int, default=1)
+  ap.add_argument("--set", nargs="*", default=[], help="overrides like train.batch_size=8")
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  ap.add_argument("--impl", default="einsum", help=argparse.SUPPRESS)
+  ap.add_argument("--remat", default="none", help=argparse.SUPPRESS)
+  args = ap.parse_args()
+  if args.worker:
+    return worker(args)
+  variants = [(e, i, r) for e in args.envs.split(",") for i in args.impls.split(",")
+              for r in args.remats.split(",")]
+  procs, info = {}, {}
+  for env_name, impl, remat in variants:  # compile one at a time
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
+    env.update(ENVS[env_name], MTP_JAX_CPU_DEFAULTS="0")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl, "--remat", remat,
+           "--config", args.config, "--kind", args.kind, "--n_future", str(args.n_future),
+           "--set", *args.set]
+    p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    info[(env_name, impl, remat)] = json.loads(p.stdout.readline())
+    procs[(env_name, impl, remat)] = p
+  times = {v: [] for v in variants}
+  cpu_times = {v: [] for v in variants}
+  for i in range(args.warmup + args.steps):
+    for v, p in procs.items():
+      p.stdin.write("step\n")
+      p.stdin.flush()
+      s = json.loads(p.stdout.readline())
+      if i >= args.warmup:
+        times[v].append(s["s"])
+        cpu_times[v].append(s["cpu_s"])
+  for p in procs.values():
+    p.stdin.close()
+    p.wait()
+  med = {v: float(np.median(t)) for v, t in times.items()}
+  # Other jobs on the cores slow whole rounds down (2x here): the speedup is the median over
+  # rounds of (first variant's step / this variant's step) in the same round.
+  first = np.asarray(times[variants[0]])
+  speedup = {v: float(np.median(first / np.asarray(t))) for v, t in times.items()}
+  records = [{"env": v[0], "attention_impl": v[1], "remat_policy": v[2], "env_vars": ENVS[v[0]],
+              "step_seconds_median": med[v], "tokens_per_sec": info[v]["tokens"] / med[v],
+              "speedup_vs_first": speedup[v],
+              "cpu_seconds_median": float(np.median(cpu_times[v])),
+              "step_seconds": times[v], "cpu_seconds": cpu_times[v],
+              "compile_seconds": info[v]["compile_s"], "config": args.config,
+              "kind": args.kind, "n_future": args.n_future} for v in variants]
+  print("| env | attention_impl | remat | step s (median) | CPU s (median) | tokens/s | speedup |")
+  print("|---|---|---|---|---|---|---|")
+  for r in records:
+    print(f"| {r['env']} | {r['attention_impl']} | {r['remat_policy']} | "
+          f"{r['step_seconds_median']:.3f} | "
+          f"{r['cpu_seconds_median']:.3f} | {r['tokens_per_sec']:,.0f} | "
+          f"{r['speedup_vs_first']:.3f} |")
+  if args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+      json.dump(records, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()

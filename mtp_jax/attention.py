@@ -1,0 +1,211 @@
+"""Causal grouped-query attention kernels, chosen by `config.model.attention_impl`.
+
+    einsum  the reference: [B, K, G, S, T] f32 logits, a boolean mask, a select (any backend)
+    cpu     heads-major batched matmuls, an additive bias, causal query blocks that skip the keys
+            no query of the block can see (XLA:CPU; exact, any backend)
+    xla     jax.nn.dot_product_attention(implementation="xla")
+    cudnn   jax.nn.dot_product_attention(implementation="cudnn"): flash attention on NVIDIA GPUs
+    splash  the Pallas splash-attention kernel (TPU; causal and segment ids as block masks)
+    auto    cudnn on GPU, splash on TPU, cpu elsewhere
+
+Every kernel computes the same function. Without a cache, query s sees key t <= s of its own
+segment (positions increase along the sequence, so this is the reference's positions test);
+with a cache, query s sees cache slot t <= positions[b, s]. A kernel that cannot take a case
+(cudnn: packed segments, the cache, f32; splash: the cache, not on a TPU) hands it to `xla`
+(`cpu` on a CPU backend), and says why once in the log. The fused kernels take causality as a
+flag, never as an [S, T] mask in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLS = ("auto", "einsum", "cpu", "xla", "cudnn", "splash")
+NEG = -1e30  # finite: a fully masked row (a padding query) stays a uniform softmax, never NaN
+CPU_QUERY_BLOCKS = 4  # query blocks of the cpu kernel's causal pass (measured: see README)
+_logged: set[str] = set()
+log = logging.getLogger(__name__)
+
+
+def _note_fallback(asked: str, used: str, why: str):
+  msg = f"attention_impl={asked!r}: {why}; using {used!r}"
+  if msg not in _logged:
+    _logged.add(msg)
+    log.warning(msg)
+
+
+def resolve(impl: str, *, cached: bool, segments: bool, dtype, backend: str | None = None) -> str:
+  """The kernel that runs for this case (static: called while tracing)."""
+  backend = backend or jax.default_backend()
+  generic = "cpu" if backend == "cpu" else "xla"
+  if impl == "auto":
+    impl = {"gpu": "cudnn", "cuda": "cudnn", "tpu": "splash"}.get(backend, "cpu")
+    asked = "auto"
+  else:
+    asked = impl
+  why = None
+  if impl == "cudnn":
+    if backend not in ("gpu", "cuda"):
+      why = f"cudnn needs an NVIDIA GPU, the backend is {backend}"
+    elif cached:
+      why = "cudnn has no per-row cache positions (the decode path)"
+    elif segments:
+      why = "jax.nn.dot_product_attention's cudnn path takes no segment ids (packed documents)"
+    elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+      why = f"cudnn flash attention takes bfloat16/float16, got {jnp.dtype(dtype).name}"
+  elif impl == "splash":
+    if backend != "tpu":
+      why = f"splash is a TPU kernel, the backend is {backend}"
+    elif cached:
+      why = "splash has no per-row cache positions (the decode path)"
+  if why is not None:
+    _note_fallback(asked, generic, why)
+    return generic
+  return impl
+
+
+def attend(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS=None, *,
+           cached: bool, impl: str = "auto", dtype=jnp.float32):
+  """softmax(q k^T / sqrt(E) + mask) v for grouped-query heads; returns out_BxSxHxE in dtype."""
+  used = resolve(impl, cached=cached, segments=segment_ids_BxS is not None, dtype=dtype)
+  args = (q_BxSxHxE, k_BxTxKxE.astype(dtype), v_BxTxKxE.astype(dtype), positions_BxS,
+          segment_ids_BxS)
+  if used == "einsum":
+    return einsum_attention(*args, cached=cached, dtype=dtype)
+  if used == "cpu":
+    return cpu_attention(*args, cached=cached, dtype=dtype)
+  if used == "xla":
+    return xla_attention(*args, cached=cached, implementation="xla")
+  try:  # the fused kernels check shapes and dtypes while tracing
+    if used == "cudnn":
+      return xla_attention(*args, cached=cached, implementation="cudnn")
+    return splash_attention(*args)
+  except (ValueError, NotImplementedError, RuntimeError) as e:
+    _note_fallback(impl, "xla", f"{used} refused this case ({str(e).splitlines()[0]})")
+    return xla_attention(*args, cached=cached, implementation="xla")
+
+
+def _visible_BxSxT(positions_BxS, segment_ids_BxS, T: int, cached: bool):
+  """Boolean [B, S, T] mask of the keys each query sees (the reference's definition)."""
+  if cached:
+    return jnp.arange(T)[None, None, :] <= positions_BxS[:, :, None]
+  mask_BxSxT = positions_BxS[:, :, None] >= positions_BxS[:, None, :]
+  if segment_ids_BxS is not None:
+    mask_BxSxT &= segment_ids_BxS[:, :, None] == segment_ids_BxS[:, None, :]
+  return mask_BxSxT
+
+
+def einsum_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
+                     cached: bool, dtype):
+  """The reference: f32 [B, K, G, S, T] logits over every (query, key) pair, masked by select."""
+  B, S, H, E = q_BxSxHxE.shape
+  K = k_BxTxKxE.shape[2]
+  mask_BxSxT = _visible_BxSxT(positions_BxS, segment_ids_BxS, k_BxTxKxE.shape[1], cached)
+  q_BxSxKxGxE = q_BxSxHxE.reshape(B, S, K, H // K, E)
+  logits_BxKxGxSxT = jnp.einsum("bskge,btke->bkgst", q_BxSxKxGxE, k_BxTxKxE,
+                                preferred_element_type=jnp.float32) / jnp.sqrt(E)
+  logits_BxKxGxSxT = jnp.where(mask_BxSxT[:, None, None], logits_BxKxGxSxT, NEG)
+  probs = jax.nn.softmax(logits_BxKxGxSxT, axis=-1).astype(dtype)
+  out_BxSxKxGxE = jnp.einsum("bkgst,btke->bskge", probs, v_BxTxKxE)
+  return out_BxSxKxGxE.reshape(B, S, H, E)
+
+
+def _bias(visible, dtype=jnp.float32):
+  """0 where visible, NEG elsewhere: an add XLA fuses into the softmax, not a select."""
+  return jnp.where(visible, 0.0, NEG).astype(dtype)
+
+
+def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
+                  cached: bool, dtype, query_blocks: int | None = None):
+  """Heads-major attention for XLA:CPU. q, k, v are transposed once to [B, K, rows, E], so every
+  matmul is a plain batched GEMM over (b, k) with the G query heads of a kv head stacked as
+  rows ([G*S, E] x [E, T]: GQA's shared keys are read once). The mask is an additive bias (the
+  causal part a compile-time constant), and without a cache the S queries are cut into
+  `query_blocks` blocks (default CPU_QUERY_BLOCKS), block i attending only to keys
+  [0, end of block i): with n blocks (n - 1) / 2n of the logits, their softmax and their
+  gradients are never computed (3/8 with 4; 8 blocks measured slower: smaller GEMMs).
+  (Issue 18's profile: the reference's masked upper half and select made attention 2.5x torch's.)"""
+  B, S, H, E = q_BxSxHxE.shape
+  T, K = k_BxTxKxE.shape[1:3]
+  G = H // K
+  n_blocks = 1 if cached else (query_blocks or CPU_QUERY_BLOCKS)
+  if S % n_blocks:
+    n_blocks = 1
+  q_BxKxGxSxE = (q_BxSxHxE * jnp.asarray(1 / np.sqrt(E), q_BxSxHxE.dtype)).reshape(
+      B, S, K, G, E).transpose(0, 2, 3, 1, 4)
+  k_BxKxTxE = k_BxTxKxE.transpose(0, 2, 1, 3)
+  v_BxKxTxE = v_BxTxKxE.transpose(0, 2, 1, 3)
+  if cached:  # decode: few queries against the whole cache, one block
+    bias_Bx1x1xSxT = _bias(_visible_BxSxT(positions_BxS, None, T, True))[:, None, None]
+  Sb = S // n_blocks
+  outs = []
+  for i in range(n_blocks):
+    lo, hi = i * Sb, (i + 1) * Sb
+    Ti = T if cached else hi  # keys past the block's last query are invisible to all of it
+    q_BxKxGSbxE = q_BxKxGxSxE[:, :, :, lo:hi].reshape(B, K, G * Sb, E)
+    logits_BxKxGxSbxTi = jnp.einsum(
+        "bkqe,bkte->bkqt", q_BxKxGSbxE, k_BxKxTxE[:, :, :Ti],
+        preferred_element_type=jnp.float32).reshape(B, K, G, Sb, Ti)
+    if cached:
+      bias = bias_Bx1x1xSxT
+    else:
+      causal_SbxTi = np.arange(lo, hi)[:, None] >= np.arange(Ti)[None, :]
+      bias = jnp.asarray(np.where(causal_SbxTi, 0.0, NEG).astype(np.float32))
+      if segment_ids_BxS is not None:
+        same_BxSbxTi = segment_ids_BxS[:, lo:hi, None] == segment_ids_BxS[:, None, :Ti]
+        bias = bias + _bias(same_BxSbxTi)[:, None, None]
+    probs = jax.nn.softmax(logits_BxKxGxSbxTi + bias, axis=-1).astype(dtype)
+    outs.append(jnp.einsum("bkqt,bkte->bkqe", probs.reshape(B, K, G * Sb, Ti),
+                           v_BxKxTxE[:, :, :Ti]).reshape(B, K, G, Sb, E))
+  out_BxKxGxSxE = outs[0] if n_blocks == 1 else jnp.concatenate(outs, axis=3)
+  return out_BxKxGxSxE.transpose(0, 3, 1, 2, 4).reshape(B, S, H, E)
+
+
+def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
+                  cached: bool, implementation: str):
+  """jax.nn.dot_product_attention. Causality goes in as `is_causal` (cudnn then skips the masked
+  tiles); only packed segments and the cache, which the API cannot express otherwise, pass a
+  [B, 1, S, T] mask (xla materialises its logits anyway)."""
+  mask = None
+  if cached:
+    mask = _visible_BxSxT(positions_BxS, None, k_BxTxKxE.shape[1], True)[:, None]
+  elif segment_ids_BxS is not None:
+    mask = (segment_ids_BxS[:, :, None] == segment_ids_BxS[:, None, :])[:, None]
+  return jax.nn.dot_product_attention(
+      q_BxSxHxE.astype(k_BxTxKxE.dtype), k_BxTxKxE, v_BxTxKxE, mask=mask,
+      is_causal=not cached, implementation=implementation)
+
+
+def splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
+                     block: int = 128, interpret: bool = False):
+  """The Pallas splash kernel (no cache): a static causal block mask, so fully masked tiles are
+  skipped, and packed documents as SegmentIds. Imported here: it only builds on a TPU (or with
+  `interpret=True`, how the CPU test runs it)."""
+  del positions_BxS
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
+      splash_attention_kernel as splash, splash_attention_mask as masks)
+  B, S, H, E = q_BxSxHxE.shape
+  K = k_BxTxKxE.shape[2]
+  block = min(block, S)
+  if S % block:
+    raise ValueError(f"splash needs the sequence length ({S}) to be a multiple of {block}")
+  sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                            block_q_dkv=block, block_kv_dkv=block,
+                            block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  kernel = splash.make_splash_mha(
+      masks.MultiHeadMask([masks.CausalMask((S, S))] * H), block_sizes=sizes, head_shards=1,
+      q_seq_shards=1, interpret=interpret)
+  heads_major = lambda x: x.transpose(0, 2, 1, 3)
+  q_BxHxSxE = heads_major(q_BxSxHxE.astype(k_BxTxKxE.dtype) / np.sqrt(E).astype(np.float32))
+  k_BxHxTxE = heads_major(jnp.repeat(k_BxTxKxE, H // K, axis=2))
+  v_BxHxTxE = heads_major(jnp.repeat(v_BxTxKxE, H // K, axis=2))
+  if segment_ids_BxS is None:
+    out_BxHxSxE = jax.vmap(kernel)(q_BxHxSxE, k_BxHxTxE, v_BxHxTxE)
+  else:
+    seg = splash.SegmentIds(q=segment_ids_BxS, kv=segment_ids_BxS)
+    out_BxHxSxE = jax.vmap(kernel)(q_BxHxSxE, k_BxHxTxE, v_BxHxTxE, segment_ids=seg)
+  return heads_major(out_BxHxSxE)

@@ -1,0 +1,90 @@
+"""CPU defaults that an entry point applies before JAX starts its backend (issue 18).
+
+    if __name__ == "__main__":  # top of an entry-point module, before `import jax`
+      from mtp_jax import runtime
+      runtime.apply_cpu_defaults()
+
+On a CPU backend (JAX_PLATFORMS=cpu, or no GPU/TPU plugin installed) it does two things, each
+only where the user has not already decided:
+- XLA_FLAGS += CPU_XLA_FLAGS. jaxlib 0.10's XLA:CPU hands every dot to the YNNPACK library
+  (`--xla_cpu_experimental_ynn_fusion_type`, default "individual_dot"); for the batched
+  attention matmuls of a small transformer its kernels are slower than XLA's own (see README,
+  "CPU speed"). A flag already in XLA_FLAGS is never overridden.
+- GLIBC_TUNABLES += glibc.malloc.hugetlb=1: malloc asks for transparent huge pages, so the
+  ~1 GB of temporaries a train step allocates fault in 2 MB at a time, not 4 kB. glibc reads
+  tunables once, at process start, so the process re-executes itself once with it set (same
+  interpreter, same `sys.orig_argv`; MTP_JAX_REEXECED marks the second start). Skipped when
+  GLIBC_TUNABLES already names the tunable, inside a notebook kernel or pytest, and when JAX
+  is already imported (the re-exec would repeat that import's seconds; set it in the launcher).
+
+MTP_JAX_CPU_DEFAULTS=0 turns all of this off; MTP_JAX_CPU_DEFAULTS=flags keeps the XLA flags
+and skips the re-exec.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+OPT_OUT = "MTP_JAX_CPU_DEFAULTS"
+REEXEC_MARK = "MTP_JAX_REEXECED"
+CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=-individual_dot",)
+HUGETLB = "glibc.malloc.hugetlb=1"
+_ACCELERATOR_MODULES = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                        "jax_rocm7_plugin", "libtpu")
+
+
+def cpu_backend_expected(environ=None) -> bool:
+  """True when JAX will start on the CPU: JAX_PLATFORMS names cpu first, or it is unset and no
+  accelerator plugin is installed. Decided without starting (or importing) JAX."""
+  environ = os.environ if environ is None else environ
+  platforms = environ.get("JAX_PLATFORMS", "").strip().lower()
+  if platforms:
+    return platforms.split(",")[0] == "cpu"
+  return not any(importlib.util.find_spec(m) is not None for m in _ACCELERATOR_MODULES)
+
+
+def _backend_started() -> bool:
+  jax_mod = sys.modules.get("jax")
+  if jax_mod is None:
+    return False
+  bridge = sys.modules.get("jax._src.xla_bridge")
+  return bool(getattr(bridge, "_backends", None))
+
+
+def merged_xla_flags(current: str, defaults=CPU_XLA_FLAGS) -> str:
+  """`current` plus each default whose flag name it does not already set."""
+  names = {f.split("=", 1)[0] for f in current.split()}
+  extra = [f for f in defaults if f.split("=", 1)[0] not in names]
+  return " ".join([current.strip(), *extra]).strip()
+
+
+def _in_notebook_or_tests() -> bool:
+  return "ipykernel" in sys.modules or "pytest" in sys.modules
+
+
+def apply_cpu_defaults(reexec: bool = True) -> dict:
+  """Applies the CPU defaults (see the module docstring); returns what it did, for logging.
+  Call it before JAX starts its backend: afterwards XLA_FLAGS is no longer read."""
+  mode = os.environ.get(OPT_OUT, "1").strip().lower()
+  if mode in ("0", "false", "off", "no"):
+    return {"applied": False, "why": f"{OPT_OUT}={mode}"}
+  if not cpu_backend_expected():
+    return {"applied": False, "why": "not a CPU backend"}
+  if _backend_started():
+    return {"applied": False, "why": "the JAX backend is already running"}
+  os.environ["XLA_FLAGS"] = merged_xla_flags(os.environ.get("XLA_FLAGS", ""))
+  done = {"applied": True, "xla_flags": os.environ["XLA_FLAGS"], "reexec": False}
+  tunables = os.environ.get("GLIBC_TUNABLES", "")
+  want_reexec = (reexec and mode != "flags" and "glibc.malloc.hugetlb" not in tunables
+                 and not os.environ.get(REEXEC_MARK) and not _in_notebook_or_tests()
+                 and "jax" not in sys.modules and sys.platform.startswith("linux")
+                 and getattr(sys, "orig_argv", None))
+  if want_reexec:
+    os.environ["GLIBC_TUNABLES"] = f"{tunables}:{HUGETLB}" if tunables else HUGETLB
+    os.environ[REEXEC_MARK] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+  return done

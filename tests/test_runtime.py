@@ -1,0 +1,84 @@
+"""mtp_jax.runtime.apply_cpu_defaults, each case in a fresh subprocess (XLA_FLAGS and glibc
+tunables are read once per process, and this test process's JAX is already running)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mtp_jax import runtime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+YNN = runtime.CPU_XLA_FLAGS[0]
+
+# Prints what the process saw after apply_cpu_defaults(), once per start of the process.
+PROBE = """
+import json, os, sys
+from mtp_jax import runtime
+done = runtime.apply_cpu_defaults()
+out = {k: os.environ.get(k) for k in ("XLA_FLAGS", "GLIBC_TUNABLES", "MTP_JAX_REEXECED")}
+out["done"] = done
+if "--compile" in sys.argv:
+  import jax, jax.numpy as jnp
+  q = jnp.ones((2, 4, 8, 8))
+  hlo = jax.jit(lambda a, b: jnp.einsum("bhse,bhte->bhst", a, b)).lower(q, q).compile()
+  out["ynn_dot"] = "__ynn_fusion" in hlo.as_text()
+print(json.dumps(out))
+"""
+
+
+def _run(env_changes, *args):
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "GLIBC_TUNABLES", runtime.OPT_OUT, runtime.REEXEC_MARK)}
+  env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **env_changes})
+  env = {k: v for k, v in env.items() if v is not None}
+  res = subprocess.run([sys.executable, "-c", PROBE, *args], env=env, capture_output=True,
+                       text=True, timeout=120, check=True)
+  lines = res.stdout.strip().splitlines()
+  assert len(lines) == 1, res.stdout  # a re-exec prints once, from the second start only
+  return json.loads(lines[0])
+
+
+def test_sets_flags_and_reexecs_once_with_huge_pages():
+  out = _run({})
+  assert out["XLA_FLAGS"] == YNN
+  assert out["GLIBC_TUNABLES"] == runtime.HUGETLB
+  assert out["MTP_JAX_REEXECED"] == "1"
+
+
+def test_flag_takes_effect_and_opt_out_keeps_the_library_dots():
+  assert _run({runtime.OPT_OUT: "flags"}, "--compile")["ynn_dot"] is False
+  off = _run({runtime.OPT_OUT: "0"}, "--compile")
+  assert off["ynn_dot"] is True
+  assert off["XLA_FLAGS"] is None and off["GLIBC_TUNABLES"] is None
+  assert off["MTP_JAX_REEXECED"] is None
+
+
+def test_leaves_the_users_settings_alone():
+  mine = "--xla_cpu_experimental_ynn_fusion_type=individual_dot --xla_cpu_enable_fast_math=false"
+  out = _run({"XLA_FLAGS": mine, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+  assert out["XLA_FLAGS"] == mine
+  assert out["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+  assert out["MTP_JAX_REEXECED"] is None  # nothing to re-exec for
+  other = _run({"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+                "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+  assert other["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=8 {YNN}"
+  assert other["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{runtime.HUGETLB}"
+
+
+@pytest.mark.parametrize("env", [{"JAX_PLATFORMS": "tpu"}, {"JAX_PLATFORMS": "cuda,cpu"}])
+def test_nothing_on_an_accelerator_backend(env):
+  out = _run(env)
+  assert out["done"] == {"applied": False, "why": "not a CPU backend"}
+  assert out["XLA_FLAGS"] is None and out["GLIBC_TUNABLES"] is None
+
+
+def test_merged_xla_flags():
+  assert runtime.merged_xla_flags("") == YNN
+  assert runtime.merged_xla_flags(" --a=1 ") == f"--a=1 {YNN}"
+  assert runtime.merged_xla_flags("--xla_cpu_experimental_ynn_fusion_type=") == (
+      "--xla_cpu_experimental_ynn_fusion_type=")

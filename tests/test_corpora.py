@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from conftest import require
 
 from mtp_jax import config as config_lib
 from mtp_jax.data import corpora, pipeline, prepare, tokenizers
@@ -292,3 +293,35 @@ def test_prepare_bad_input_one_line_exit_2(root, jsonl, tmp_path):
 def test_config_fields_of_real_corpora(data, needle):
   with pytest.raises(ValueError, match=f"^{needle}"):
     _config(**data)
+
+
+def test_prepare_hf_source_save_to_disk_and_missing_name(tmp_path):
+  """`--source hf:DIR` of a save_to_disk folder (split slices, nested key, a worker process);
+  an uncached Hub name is one line, exit 2, nothing written, nothing downloaded."""
+  datasets = require("datasets")
+  docs = {s: [_doc(s, i) for i in range(n)] for s, n in (("train", 30), ("validation", 5))}
+  datasets.DatasetDict({s: datasets.Dataset.from_dict({"doc": [{"body": d, "n": i}
+                                                               for i, d in enumerate(ds)]})
+                        for s, ds in docs.items()}).save_to_disk(str(tmp_path / "saved"))
+  out = tmp_path / "out"
+  meta = prepare.prepare(f"hf:{tmp_path}/saved", "byte", str(out), shards=2, workers=1, chunk=4,
+                         text_key="doc/body", split="train[:20]+validation", progress=False)
+  want = docs["train"][:20] + docs["validation"]
+  assert meta["documents"] == 25 and meta["split"] == "train[:20]+validation"
+  from array_record.python.array_record_data_source import ArrayRecordDataSource
+  for k, shard in enumerate(meta["shards"]):  # document j went to shard j mod 2
+    source = ArrayRecordDataSource([str(out / shard["file"])])
+    got = [np.frombuffer(source[i], np.uint16) for i in range(len(source))]
+    assert len(got) == len(want[k::2])
+    for ids, doc in zip(got, want[k::2]):
+      np.testing.assert_array_equal(ids, BYTE.encode(doc))
+  missing = tmp_path / "missing"
+  p = subprocess.run([sys.executable, "-m", "mtp_jax.data.prepare",
+                      "--source=hf:mtp-jax-test/no_such_dataset", f"--out={missing}",
+                      f"--hf_cache_dir={tmp_path / 'cache'}"],
+                     capture_output=True, text=True, timeout=120)
+  lines = p.stderr.strip().splitlines()
+  assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+  assert lines[-1].startswith("error: --source: hf:mtp-jax-test/no_such_dataset is not in the "
+                              "local cache") and "load_dataset(" in lines[-1], lines
+  assert not missing.exists()

@@ -6,7 +6,6 @@ each hostile program starts; the evaluator (this process) must survive every one
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import numpy as np

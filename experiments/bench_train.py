@@ -30,7 +30,7 @@ if __name__ == "__main__":  # before jax starts: XLA flags, malloc huge pages (R
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mtp_jax import commandline  # noqa: E402
+from mtp_jax import cli  # noqa: E402
 from mtp_jax import optimizer as optim_lib  # noqa: E402
 from mtp_jax import sharding as shard_lib  # noqa: E402
 from mtp_jax import steps as steps_lib  # noqa: E402
@@ -47,7 +47,7 @@ def setup(config_path, kind, n_future, overrides):
   c.model.n_future = n_future
   c.loss.head_weights = "deepseek" if kind == "sequential" else "uniform"
   for key, value in overrides.items():  # parsed by the field's type: "False" is False
-    commandline.set_field(c, key, value)
+    cli.set_field(c, key, value)
   model = build_model(c)
   tx = optim_lib.make_optimizer(c)
   mesh = shard_lib.make_mesh(c)
@@ -159,7 +159,7 @@ def main():
   overrides = dict(kv.split("=", 1) for kv in args.set)
   try:
     for key, value in overrides.items():  # bad input fails here, before any compile
-      commandline.set_field(load_file(args.config), key, value)
+      cli.set_field(load_file(args.config), key, value)
   except ValueError as e:
     ap.error(f"--set: {e}")
   if args.peer:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 from absl import flags
 
-from mtp_jax import commandline
+from mtp_jax import cli
 from mtp_jax.data import builders
 from mtp_jax.data import tasks
 from mtp_jax.data import tokenizers
@@ -143,7 +143,7 @@ def _define(fv: flags.FlagValues) -> None:
 def main(argv=None) -> int:
   """`argv` without the program name (default sys.argv[1:]); returns the exit status."""
   try:
-    fv = commandline.parse(argv, _define, prog="python -m mtp_jax.tasks_eval",
+    fv = cli.parse(argv, _define, prog="python -m mtp_jax.tasks_eval",
                            usage="\n\n".join(__doc__.split("\n\n")[:2]), required=("workdir",))
     result = evaluate_workdir(fv.workdir, batch_size=fv.batch_size, limit=fv.limit)
   except ValueError as e:

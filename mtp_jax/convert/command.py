@@ -1,5 +1,5 @@
 """`python -m mtp_jax.convert COMMAND --flag ...`: the command line of the imports and the export
-(absl flags through mtp_jax.commandline; bad input is one `error: ...` line and exit status 2)."""
+(absl flags through mtp_jax.cli; bad input is one `error: ...` line and exit status 2)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 from absl import flags, logging
 
-from mtp_jax import commandline
+from mtp_jax import cli
 from mtp_jax import config as config_lib
 from mtp_jax.convert import from_hf, workdir
 
@@ -45,16 +45,16 @@ def _define_export(fv: flags.FlagValues) -> None:
 
 
 COMMANDS = {
-    "meta": commandline.Command(
+    "meta": cli.Command(
         "import facebook/multi-token-prediction (params.json, *.pth) into a workdir",
         _define_import, ("ckpt", "out")),
-    "deepseek": commandline.Command(
+    "deepseek": cli.Command(
         "import dense Llama + DeepSeek-V3 MTP layers, HF safetensors, into a workdir",
         _define_import, ("ckpt", "out")),
-    "from-hf": commandline.Command(
+    "from-hf": cli.Command(
         "add MTP heads to a HF LlamaForCausalLM (safetensors): head 1 is the HF model",
         _define_from_hf, ("ckpt", "out", "n_future", "heads")),
-    "to-hf": commandline.Command("export trunk + head 1 as a HF LlamaForCausalLM",
+    "to-hf": cli.Command("export trunk + head 1 as a HF LlamaForCausalLM",
                                  _define_export, ("workdir", "out")),
 }
 
@@ -62,7 +62,7 @@ COMMANDS = {
 def main(argv=None) -> int:
   """`argv` without the program name (default sys.argv[1:]); returns the exit status."""
   try:
-    command, fv = commandline.parse_command(argv, COMMANDS, prog="python -m mtp_jax.convert",
+    command, fv = cli.parse_command(argv, COMMANDS, prog="python -m mtp_jax.convert",
                                             usage=USAGE)
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     if command == "to-hf":

@@ -206,7 +206,7 @@ def main(argv=None) -> None:
   """`argv` without the program name (default sys.argv[1:]). Bad input raises ValueError (one
   line; `python -m` prints it as `error: ...` and exits 2)."""
   from absl import flags  # pylint: disable=import-outside-toplevel
-  from mtp_jax import commandline  # pylint: disable=import-outside-toplevel
+  from mtp_jax import cli  # pylint: disable=import-outside-toplevel
   from mtp_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   from mtp_jax.data import config_checks  # pylint: disable=import-outside-toplevel
   data = config_lib.base_config().data
@@ -226,9 +226,9 @@ def main(argv=None) -> None:
                       flag_values=fv)
     flags.DEFINE_string("out", None, "model file to write, e.g. spm/code2k.model", flag_values=fv)
 
-  commands = {"train": commandline.Command(
+  commands = {"train": cli.Command(
       "train a SentencePiece model on a corpus's train split", define, ("out",))}
-  _, args = commandline.parse_command(argv, commands, prog="python -m mtp_jax.data.tokenizers",
+  _, args = cli.parse_command(argv, commands, prog="python -m mtp_jax.data.tokenizers",
                                       usage="\n\n".join(__doc__.split("\n\n")[2:]))
   data.corpus, data.dir, data.folder = args.corpus, args.data_dir, args.folder
   data.glob, data.val_percent = args.glob, args.val_percent
@@ -244,5 +244,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-  from mtp_jax import commandline as _commandline  # pylint: disable=import-outside-toplevel
-  _commandline.run(main)
+  from mtp_jax import cli as _cli  # pylint: disable=import-outside-toplevel
+  _cli.run(main)

@@ -1,4 +1,4 @@
-"""mtp_jax.commandline (the flags of convert, tasks_eval and data.tokenizers: one-line errors,
+"""mtp_jax.cli (the flags of convert, tasks_eval and data.tokenizers: one-line errors,
 exit status 2), config overrides parsed by the field's type, and conftest's `require`."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from absl import flags
 from conftest import require
 
-from mtp_jax import commandline
+from mtp_jax import cli
 from mtp_jax import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +24,7 @@ def _define(fv):
 
 
 def _parse(argv):
-  return commandline.parse(argv, _define, prog="tool", usage="tool --workdir DIR",
+  return cli.parse(argv, _define, prog="tool", usage="tool --workdir DIR",
                            required=("workdir",))
 
 
@@ -60,17 +60,17 @@ def test_parse_help_exits_zero(capsys):
 
 
 def test_parse_command():
-  commands = {"a": commandline.Command("do a", _define, ("workdir",)),
-              "b": commandline.Command("do b", lambda fv: None)}
-  name, fv = commandline.parse_command(["a", "--workdir", "w"], commands, prog="t", usage="u")
+  commands = {"a": cli.Command("do a", _define, ("workdir",)),
+              "b": cli.Command("do b", lambda fv: None)}
+  name, fv = cli.parse_command(["a", "--workdir", "w"], commands, prog="t", usage="u")
   assert name == "a" and fv.workdir == "w"
-  assert commandline.parse_command(["b"], commands, prog="t", usage="u")[0] == "b"
+  assert cli.parse_command(["b"], commands, prog="t", usage="u")[0] == "b"
   with pytest.raises(ValueError, match="unknown command 'c'; commands: a, b"):
-    commandline.parse_command(["c"], commands, prog="t", usage="u")
+    cli.parse_command(["c"], commands, prog="t", usage="u")
   with pytest.raises(ValueError, match="the first argument is the command, one of a, b"):
-    commandline.parse_command(["--workdir", "w"], commands, prog="t", usage="u")
+    cli.parse_command(["--workdir", "w"], commands, prog="t", usage="u")
   with pytest.raises(ValueError, match="--workdir: unknown flag for t b"):
-    commandline.parse_command(["b", "--workdir", "w"], commands, prog="t", usage="u")
+    cli.parse_command(["b", "--workdir", "w"], commands, prog="t", usage="u")
 
 
 @pytest.mark.parametrize("argv, rc, stream, text", [
@@ -95,38 +95,38 @@ def test_run_turns_value_error_into_exit_2(capsys, monkeypatch):
     raise ValueError(f"--x: bad {argv}")
   monkeypatch.setattr(sys, "argv", ["prog", "1"])
   with pytest.raises(SystemExit) as e:
-    commandline.run(main)
+    cli.run(main)
   assert e.value.code == 2 and capsys.readouterr().err == "error: --x: bad ['1']\n"
   with pytest.raises(SystemExit) as e:
-    commandline.run(lambda argv: None)
+    cli.run(lambda argv: None)
   assert e.value.code == 0
 
 
 def test_parse_like_uses_the_field_type():
-  assert commandline.parse_like("False", True) is False  # bool("False") would be True
-  assert commandline.parse_like("0", True) is False and commandline.parse_like("TRUE", False)
+  assert cli.parse_like("False", True) is False  # bool("False") would be True
+  assert cli.parse_like("0", True) is False and cli.parse_like("TRUE", False)
   with pytest.raises(ValueError, match="true/false/1/0"):
-    commandline.parse_like("yes", False)
-  assert commandline.parse_like("8", 4) == 8 and isinstance(commandline.parse_like("8", 4), int)
+    cli.parse_like("yes", False)
+  assert cli.parse_like("8", 4) == 8 and isinstance(cli.parse_like("8", 4), int)
   with pytest.raises(ValueError):
-    commandline.parse_like("8.5", 4)
-  assert commandline.parse_like("1e-3", 0.1) == 1e-3
-  assert commandline.parse_like("False", "abc") == "False"
-  assert commandline.parse_like("(1, 2)", (3,)) == (1, 2)
-  assert commandline.parse_like("7", None) == 7 and commandline.parse_like("x", None) == "x"
+    cli.parse_like("8.5", 4)
+  assert cli.parse_like("1e-3", 0.1) == 1e-3
+  assert cli.parse_like("False", "abc") == "False"
+  assert cli.parse_like("(1, 2)", (3,)) == (1, 2)
+  assert cli.parse_like("7", None) == 7 and cli.parse_like("x", None) == "x"
 
 
 def test_set_field_nested_and_errors():
   c = config_lib.base_config()
-  commandline.set_field(c, "model.tie_embeddings", "false")
-  commandline.set_field(c, "model.heads.kind", "sequential")
-  commandline.set_field(c, "train.batch_size", "3")
+  cli.set_field(c, "model.tie_embeddings", "false")
+  cli.set_field(c, "model.heads.kind", "sequential")
+  cli.set_field(c, "train.batch_size", "3")
   assert (c.model.tie_embeddings, c.model.heads.kind, c.train.batch_size) == (
       False, "sequential", 3)
   with pytest.raises(ValueError, match="model.nope: no such config field"):
-    commandline.set_field(c, "model.nope", "1")
+    cli.set_field(c, "model.nope", "1")
   with pytest.raises(ValueError, match="train.batch_size: "):
-    commandline.set_field(c, "train.batch_size", "many")
+    cli.set_field(c, "train.batch_size", "many")
 
 
 def test_require_skips_locally_and_fails_under_ci(monkeypatch):

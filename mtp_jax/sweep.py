@@ -34,7 +34,7 @@ from mtp_jax import scaling
 from mtp_jax import scheduler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# What the train CLI prints once data and checkpoint are ready (run.py): past this line a run no
+# What the train CLI prints once data and checkpoint are ready (train.py): past this line a run no
 # longer builds the dataset, so the next run may start.
 _STARTED = re.compile(r"^(starting|resuming at) step ", re.M)
 

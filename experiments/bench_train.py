@@ -11,8 +11,11 @@ round, so machine noise hits them alike; quote the ratios, not the seconds.
 
 `--peer` times the seed document's design in PyTorch (experiments/torch_peer.py: Llama trunk,
 projection heads sharing one unembedding, its per-head loss, AdamW) against the same model in
-mtp_jax (heads.kind = "projection") for n_future 1 and 4, the two frameworks' steps interleaved
-in this one process, and reports both tokens/s and their ratio.
+mtp_jax (heads.kind = "projection") for n_future 1 and 4. Each (framework, n_future) is a worker
+process (as a user runs either one) that builds its step and then waits; the driver asks them
+for one step each, round after round, and reports tokens/s and the ratio, both of medians and as
+the median same-round ratio. `--in_process` runs all four in this one process instead (PyTorch's
+steps then slow the JAX steps down; README, "CPU speed").
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 
 from mtp_jax import runtime
@@ -84,62 +89,145 @@ def jax_run(c):
   return run, B * S, param_count(state.params), time.perf_counter() - t
 
 
-def peer(args, overrides):
-  """JAX projection heads against the PyTorch seed design, n_future 1 and 4, interleaved."""
-  import torch  # noqa: PLC0415  (only --peer needs it)
-  import torch_peer  # noqa: PLC0415
+def _peer_config(args, overrides, n):
+  c = load_file(args.config)
+  c.model.heads.kind, c.model.n_future, c.loss.head_weights = "projection", n, "uniform"
+  for key, value in overrides.items():  # parsed by the field's type: "False" is False
+    commandline.set_field(c, key, value)
+  return c
 
-  runs = {}
-  for n in (1, 4):
-    c = load_file(args.config)
-    c.model.heads.kind, c.model.n_future, c.loss.head_weights = "projection", n, "uniform"
-    for key, value in overrides.items():
-      section, field = key.rsplit(".", 1)
-      node = c
-      for part in section.split("."):
-        node = getattr(node, part)
-      old = getattr(node, field)
-      setattr(node, field, value.lower() in ("1", "true") if isinstance(old, bool)
-              else type(old)(value))
-    runs[("jax", n)] = jax_run(c)
-    t = time.perf_counter()
-    step, tokens, n_params = torch_peer.make_peer(c)
+
+def _peer_step(args, overrides, fw, n):
+  """(step, tokens, n_params, first_step_seconds) of framework `fw` ("jax" or "torch")."""
+  c = _peer_config(args, overrides, n)
+  if fw == "jax":
+    return jax_run(c)
+  import torch_peer  # noqa: PLC0415  (only --peer needs torch)
+  t = time.perf_counter()
+  step, tokens, n_params = torch_peer.make_peer(c)
+  step()
+  return step, tokens, n_params, time.perf_counter() - t
+
+
+def peer_worker(args, overrides):
+  """One (framework, n_future) in its own process: builds, runs a first step, then one timed
+  step per "step" line on stdin, one JSON line per step on stdout."""
+  fw, n = args.peer_worker.split(":")
+  step, tokens, n_params, first_s = _peer_step(args, overrides, fw, int(n))
+  info = {"tokens": tokens, "n_params": n_params, "first_step_seconds": first_s}
+  if fw == "torch":
+    import torch  # noqa: PLC0415
+    info.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
+  print(json.dumps(info), flush=True)
+  for line in sys.stdin:
+    if not line.startswith("steps "):
+      break
+    print(json.dumps(_burst(step, int(line.split()[1]))), flush=True)
+
+
+def _burst(step, k):
+  """[(seconds, cpu_seconds)] of `k` back-to-back steps."""
+  out = []
+  for _ in range(k):
+    t, cpu = time.perf_counter(), time.process_time()
     step()
-    runs[("torch", n)] = (step, tokens, n_params, time.perf_counter() - t)
+    out.append((time.perf_counter() - t, time.process_time() - cpu))
+  return out
+
+
+def _peer_runs(args, overrides):
+  """{(fw, n): (one_step() -> (seconds, cpu_seconds), info)}: a worker process each (default),
+  or all four in this process (`--in_process`)."""
+  runs, procs = {}, []
+  for n in (1, 4):
+    for fw in ("jax", "torch"):
+      if args.in_process:
+        step, tokens, n_params, first_s = _peer_step(args, overrides, fw, n)
+
+        def one(k, step=step):
+          return _burst(step, k)
+        info = {"tokens": tokens, "n_params": n_params, "first_step_seconds": first_s}
+        if fw == "torch":
+          import torch  # noqa: PLC0415
+          info.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
+        runs[(fw, n)] = (one, info)
+        continue
+      cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config,
+             "--peer_worker", f"{fw}:{n}", "--set", *args.set]
+      p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+      procs.append(p)
+      info = json.loads(p.stdout.readline())  # built one at a time: compiles do not overlap
+
+      def one(k, p=p):
+        p.stdin.write(f"steps {k}\n")
+        p.stdin.flush()
+        return json.loads(p.stdout.readline())
+      runs[(fw, n)] = (one, info)
+  return runs, procs
+
+
+def peer(args, overrides):
+  """JAX projection heads against the PyTorch seed design, n_future 1 and 4, interleaved step by
+  step. By default every (framework, n_future) is its own process, as a user runs either: in one
+  process the PyTorch steps slow the JAX steps after them down by 1.2-1.7x (README, CPU speed)."""
+  runs, procs = _peer_runs(args, overrides)
   for _ in range(args.warmup):
-    for r in runs.values():
-      r[0]()
+    for one, _ in runs.values():
+      one(1)
+  # A round: each run in turn takes `--burst` back-to-back steps; the first one after the
+  # others' turn is kept apart (JAX's first step after seconds idle is 1.3x slower, PyTorch's
+  # is not: README, CPU speed); the round's time is the median of the rest, as in a training
+  # loop. Rounds interleave the frameworks, so the machine's noise hits both alike.
   times = {v: [] for v in runs}
-  for _ in range(args.steps):  # interleaved: both frameworks share the machine's noise
-    for v, r in runs.items():
-      t = time.perf_counter()
-      r[0]()
-      times[v].append(time.perf_counter() - t)
+  cpu_times = {v: [] for v in runs}
+  first_times = {v: [] for v in runs}
+  for _ in range(args.steps):
+    for v, (one, _) in runs.items():
+      burst = one(args.burst)
+      first_times[v].append(burst[0][0])
+      rest = burst[1:] or burst
+      times[v].append(float(np.median([s for s, _ in rest])))
+      cpu_times[v].append(float(np.median([c for _, c in rest])))
+  for p in procs:
+    p.stdin.close()
+    p.wait()
   med = {v: float(np.median(t)) for v, t in times.items()}
+  c = _peer_config(args, overrides, 1)
   records = []
   for n in (1, 4):
+    j, t = runs[("jax", n)][1], runs[("torch", n)][1]
     rec = {"n_future": n, "kind": "projection", "config": args.config, "overrides": overrides,
+           "processes": "one per framework" if not args.in_process else "one for all",
            "batch": c.train.batch_size, "seq_len": c.data.seq_len, "d_model": c.model.d_model,
            "n_layers": c.model.n_layers, "n_heads": c.model.n_heads,
            "n_kv_heads": c.model.n_kv_heads, "d_ff": c.model.d_ff, "dtype": c.model.dtype,
-           "attention_impl": c.model.attention_impl, "cpu_count": os.cpu_count(),
-           "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+           "attention_impl": c.model.attention_impl, "remat_policy": c.model.remat_policy,
+           "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0],
+           "torch_threads": t["torch_threads"], "torch_version": t["torch_version"],
            "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "steps": args.steps}
-    for fw in ("jax", "torch"):
+           "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "rounds": args.steps,
+           "burst": args.burst}
+    for fw, info in (("jax", j), ("torch", t)):
       rec[f"{fw}_step_seconds_median"] = med[(fw, n)]
-      rec[f"{fw}_tokens_per_sec"] = runs[(fw, n)][1] / med[(fw, n)]
-      rec[f"{fw}_n_params"] = runs[(fw, n)][2]
-      rec[f"{fw}_first_step_seconds"] = runs[(fw, n)][3]
+      rec[f"{fw}_tokens_per_sec"] = info["tokens"] / med[(fw, n)]
+      rec[f"{fw}_n_params"] = info["n_params"]
+      rec[f"{fw}_first_step_seconds"] = info["first_step_seconds"]
       rec[f"{fw}_step_seconds"] = times[(fw, n)]
+      rec[f"{fw}_cpu_seconds"] = cpu_times[(fw, n)]
+      rec[f"{fw}_first_of_burst_seconds"] = first_times[(fw, n)]
     rec["jax_over_torch_tokens_per_sec"] = med[("torch", n)] / med[("jax", n)]
+    # Noise slows whole rounds down: the median over rounds of the same-round ratio.
+    rec["jax_over_torch_same_round_median"] = float(np.median(
+        np.asarray(times[("torch", n)]) / np.asarray(times[("jax", n)])))
     records.append(rec)
-  print("| n_future | params jax / torch | jax tokens/s | torch tokens/s | jax / torch |")
-  print("|---|---|---|---|---|")
+  print("| n_future | params jax / torch | jax tokens/s | torch tokens/s | jax / torch "
+        "| same-round median |")
+  print("|---|---|---|---|---|---|")
   for r in records:
     print(f"| {r['n_future']} | {r['jax_n_params']:,} / {r['torch_n_params']:,} | "
           f"{r['jax_tokens_per_sec']:,.0f} | {r['torch_tokens_per_sec']:,.0f} | "
-          f"{r['jax_over_torch_tokens_per_sec']:.2f}x |")
+          f"{r['jax_over_torch_tokens_per_sec']:.2f}x | "
+          f"{r['jax_over_torch_same_round_median']:.2f}x |")
   return records
 
 
@@ -152,6 +240,11 @@ def main():
   ap.add_argument("--set", nargs="*", default=[], help="overrides like train.batch_size=8")
   ap.add_argument("--peer", action="store_true",
                   help="time the PyTorch seed design against mtp_jax, n_future 1 and 4")
+  ap.add_argument("--burst", type=int, default=3,
+                  help="--peer: back-to-back steps per run and round (the first is set apart)")
+  ap.add_argument("--in_process", action="store_true",
+                  help="--peer: both frameworks in this one process (slows JAX; see README)")
+  ap.add_argument("--peer_worker", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   bad = [kv for kv in args.set if "=" not in kv]
   if bad:
@@ -162,6 +255,8 @@ def main():
       cli.set_field(load_file(args.config), key, value)
   except ValueError as e:
     ap.error(f"--set: {e}")
+  if args.peer_worker:
+    return peer_worker(args, overrides)
   if args.peer:
     records = peer(args, overrides)
     if args.json:

@@ -93,7 +93,7 @@ def _peer_config(args, overrides, n):
   c = load_file(args.config)
   c.model.heads.kind, c.model.n_future, c.loss.head_weights = "projection", n, "uniform"
   for key, value in overrides.items():  # parsed by the field's type: "False" is False
-    commandline.set_field(c, key, value)
+    cli.set_field(c, key, value)
   return c
 
 

@@ -237,7 +237,8 @@ def main():
   ap.add_argument("--json", default=None, help="write the records here")
   ap.add_argument("--steps", type=int, default=5, help="timed steps per variant")
   ap.add_argument("--warmup", type=int, default=1)
-  ap.add_argument("--set", nargs="*", default=[], help="overrides like train.batch_size=8")
+  ap.add_argument("--set", nargs="*", action="extend", default=[],
+                  help="overrides like train.batch_size=8 (repeatable)")
   ap.add_argument("--peer", action="store_true",
                   help="time the PyTorch seed design against mtp_jax, n_future 1 and 4")
   ap.add_argument("--burst", type=int, default=3,

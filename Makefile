@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 DEMO_DIR ?= runs/demo
-DEMO_STEPS ?= 150
+DEMO_STEPS ?= 400
 DEMO_PROMPTS := $(wildcard experiments/prompts/*.txt)
 
 .PHONY: install test demo clean

@@ -242,7 +242,8 @@ def main():
   ap.add_argument("--peer", action="store_true",
                   help="time the PyTorch seed design against mtp_jax, n_future 1 and 4")
   ap.add_argument("--burst", type=int, default=3,
-                  help="--peer: back-to-back steps per run and round (the first is set apart)")
+                  help="back-to-back steps per variant and round; the first (after idling) is "
+                  "set apart (1: one step per round, the old protocol)")
   ap.add_argument("--in_process", action="store_true",
                   help="--peer: both frameworks in this one process (slows JAX; see README)")
   ap.add_argument("--peer_worker", default=None, help=argparse.SUPPRESS)
@@ -273,15 +274,18 @@ def main():
   times = {v: [] for v in VARIANTS}
   for _ in range(args.steps):  # interleaved: noise hits every variant alike
     for v, r in runs.items():
-      t = time.perf_counter()
-      r["state"], m = r["step"](r["state"], r["batch"])
-      jax.block_until_ready(m)
-      times[v].append(time.perf_counter() - t)
+      burst = []
+      for _ in range(max(args.burst, 1)):  # back to back; the first after idling kept out
+        t = time.perf_counter()
+        r["state"], m = r["step"](r["state"], r["batch"])
+        jax.block_until_ready(m)
+        burst.append(time.perf_counter() - t)
+      times[v].append(float(np.median(burst[1:] or burst)))
   base = float(np.median(times[("parallel", 1)]))
   records = []
   for (kind, n), r in runs.items():
     med = float(np.median(times[(kind, n)]))
-    records.append({"kind": kind, "n_future": n, "step_seconds_median": med,
+    records.append({"kind": kind, "n_future": n, "step_seconds_median": med, "burst": args.burst,
                     "ratio_to_ntp": med / base, "n_params": r["n_params"],
                     "tokens_per_sec": r["tokens"] / med, "compile_seconds": r["compile_s"],
                     "batch": r["config"].train.batch_size, "seq_len": r["config"].data.seq_len,

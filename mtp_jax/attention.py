@@ -19,6 +19,7 @@ flag, never as an [S, T] mask in memory.
 from __future__ import annotations
 
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -200,7 +201,8 @@ def splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids
       masks.MultiHeadMask([masks.CausalMask((S, S))] * H), block_sizes=sizes, head_shards=1,
       q_seq_shards=1, interpret=interpret)
   heads_major = lambda x: x.transpose(0, 2, 1, 3)
-  q_BxHxSxE = heads_major(q_BxSxHxE.astype(k_BxTxKxE.dtype) / np.sqrt(E).astype(np.float32))
+  # Scale by a Python float (weakly typed): a numpy f32 scalar would promote bf16 q to f32.
+  q_BxHxSxE = heads_major((q_BxSxHxE * (1.0 / math.sqrt(E))).astype(k_BxTxKxE.dtype))
   k_BxHxTxE = heads_major(jnp.repeat(k_BxTxKxE, H // K, axis=2))
   v_BxHxTxE = heads_major(jnp.repeat(v_BxTxKxE, H // K, axis=2))
   if segment_ids_BxS is None:

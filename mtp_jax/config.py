@@ -16,6 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import ml_collections
 
+from mtp_jax import attention
 from mtp_jax import heads
 from mtp_jax.data import config_checks as data_checks
 from mtp_jax.sharding import DISTRIBUTED_MODES
@@ -314,7 +315,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _validate_floats(c)
   _choice(c, "model.remat_policy", REMAT_POLICIES)
   _choice(c, "model.dtype", DTYPES)
-  _choice(c, "model.attention_impl", ("auto", "einsum", "cpu", "xla", "cudnn", "splash"))
+  _choice(c, "model.attention_impl", attention.IMPLS)
   for field in ("vocab_size", "vocab_multiple", "d_model", "n_layers", "n_heads", "n_kv_heads",
                 "d_ff", "max_len"):
     if int(getattr(m, field)) < 1:

@@ -174,6 +174,8 @@ def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
   """Pure (state, batch) -> (state, metrics): gradients (`make_grad_fn`), the optax update, and
   the non-finite-step counts of `optax.apply_if_finite`."""
   grad_fn = make_grad_fn(model, config)
+  # Frozen params must stay bit-identical; elsewhere optax's plain sum is all a step needs.
+  update_params = apply_updates if config.optim.trainable == "heads" else optax.apply_updates
   nan_steps = jnp.asarray(list(config.train.debug_nonfinite_steps) or [-1], jnp.int32)
 
   def train_step(state: TrainState, batch):
@@ -182,7 +184,7 @@ def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
     poison = jnp.any(nan_steps == state.step)
     grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = apply_updates(state.params, updates)
+    params = update_params(state.params, updates)
     consecutive, total = optim_lib.nonfinite_counts(opt_state)
     metrics = dict(metrics, grad_norm=optax.tree.norm(grads),
                    nonfinite_consecutive=consecutive, nonfinite_total=total)

@@ -55,6 +55,7 @@ class _JsonlTexts:
     if not len(self.offsets):
       raise ValueError(f"--source: {path!r} has no JSON lines")
     self.text(0)  # a missing key or a line that is not JSON: fail before anything is written
+    self._file.close()  # workers open their own handle on first use
     self._file = None
 
   def __len__(self) -> int:

@@ -212,8 +212,10 @@ def main(argv=None) -> None:
   data = config_lib.base_config().data
 
   def define(fv):
-    flags.DEFINE_enum("corpus", data.corpus, config_checks.CORPORA, "corpus to train on",
-                      flag_values=fv)
+    # Not tfds / array_record: a tfds dataset needs data.tfds_name (train the tokenizer on a
+    # prepared text folder instead), and array_record shards are tokenized already.
+    raw = [c for c in config_checks.CORPORA if c not in ("tfds", "array_record")]
+    flags.DEFINE_enum("corpus", data.corpus, raw, "corpus to train on", flag_values=fv)
     flags.DEFINE_string("data_dir", data.dir, "where datasets are built (data.dir)",
                         flag_values=fv)
     flags.DEFINE_string("folder", data.folder, "text_folder corpus: root folder", flag_values=fv)

@@ -215,14 +215,9 @@ ModelArgs = dataclasses.make_dataclass(
         "from_config": classmethod(_model_args_from_config),
         "head_dim": property(lambda self: self.d_model // self.n_heads),
         # Rows of the embedding (columns of the unembedding): ids >= vocab_size are padding.
-        "padded_vocab": property(lambda self: padded_vocab(self.vocab_size,
+        "padded_vocab": property(lambda self: data_checks.padded_vocab(self.vocab_size,
                                                            self.vocab_multiple)),
     })
-
-
-def padded_vocab(vocab_size: int, vocab_multiple: int) -> int:
-  """vocab_size rounded up to a multiple of vocab_multiple: the embedding's rows."""
-  return -(-int(vocab_size) // int(vocab_multiple)) * int(vocab_multiple)
 
 
 def load_file(path: str) -> ml_collections.ConfigDict:

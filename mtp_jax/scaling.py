@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from mtp_jax.data.config_checks import padded_vocab
+
 # The values of mtp_jax.sweep.RunStatus.DONE and .SKIPPED (RunStatus.ok) as sweep.json and
 # results.csv hold them; this module reads those files and does not import the sweep runner.
 _STATUS_OK = ("done", "skipped")
@@ -61,13 +63,12 @@ def acceptance_proxy(agree: list[float]) -> float:
 
 def _embedding_params(config: dict | None) -> int | None:
   """Parameters of the embedding (and of the untied output matrix): rows * d_model each, rows
-  the vocabulary padded to model.vocab_multiple (config.padded_vocab; a config saved before the
-  field existed has no padding)."""
+  the vocabulary padded to model.vocab_multiple (a config saved before the field existed has no
+  padding)."""
   if not config:
     return None
   m = config["model"]
-  multiple = int(m.get("vocab_multiple", 1))
-  rows = -(-int(m["vocab_size"]) // multiple) * multiple
+  rows = padded_vocab(m["vocab_size"], m.get("vocab_multiple", 1))
   return rows * m["d_model"] * (1 if m.get("tie_embeddings", True) else 2)
 
 

@@ -35,7 +35,8 @@ from mtp_jax import config as config_lib
 from mtp_jax import heads as heads_lib
 from mtp_jax.convert.layouts import check_tensors, llama_entries, param_shapes, read_params
 from mtp_jax.convert.readers import Safetensors, read_json
-from mtp_jax.convert.workdir import check_out, hf_llama_fields, prepare_config, write_workdir
+from mtp_jax.convert.workdir import (check_out, hf_llama_fields, prepare_config,
+                                     tokenizer_path, write_workdir)
 from mtp_jax.model import build_model
 
 INIT_HEADS = ("copy", "random")
@@ -46,15 +47,12 @@ def _tokenizer(ckpt: str, given: str) -> str:
   """--tokenizer, else the checkpoint's tokenizer.model, else "" (the byte tokenizer). A
   tokenizer.json alone (HF `tokenizers`, e.g. Llama 3's BPE) is refused: mtp_jax reads byte and
   SentencePiece tokenizers only, and training the model on another tokenizer's ids is noise."""
-  if given:
-    return given
-  if os.path.isfile(os.path.join(ckpt, "tokenizer.model")):
-    return os.path.join(ckpt, "tokenizer.model")
-  if os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
+  path = tokenizer_path(ckpt, given, parent=False)
+  if not path and os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
     raise ValueError(f"--ckpt: {ckpt} has a tokenizer.json (HF tokenizers) and no "
                      "tokenizer.model; mtp_jax reads SentencePiece models only: pass "
                      "--tokenizer PATH.model")
-  return ""
+  return path
 
 
 def hf_config(ckpt: str, n_future: int, heads: str, max_len: int) -> ml_collections.ConfigDict:

@@ -72,12 +72,12 @@ def write_workdir(out: str, config: ml_collections.ConfigDict, params) -> None:
     ckpt.wait()
 
 
-def _tokenizer_path(ckpt: str, given: str) -> str:
-  """--tokenizer, else tokenizer.model in the checkpoint folder or its parent (Meta's release
-  keeps one beside its 7B_*/ folders), else "" (none)."""
+def tokenizer_path(ckpt: str, given: str, *, parent: bool = True) -> str:
+  """--tokenizer, else tokenizer.model in the checkpoint folder or (`parent`) its parent (Meta's
+  release keeps one beside its 7B_*/ folders), else "" (none)."""
   if given:
     return given
-  for folder in (ckpt, os.path.dirname(os.path.abspath(ckpt))):
+  for folder in (ckpt, os.path.dirname(os.path.abspath(ckpt)))[:2 if parent else 1]:
     if os.path.isfile(os.path.join(folder, "tokenizer.model")):
       return os.path.join(folder, "tokenizer.model")
   return ""
@@ -113,7 +113,7 @@ def import_meta(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 0,
   m.max_len = max_len or int(p.get("max_seq_len", 4096))
   m.tie_embeddings = False
   m.heads.kind = "parallel"
-  prepare_config(c, _tokenizer_path(ckpt, tokenizer), ckpt)
+  prepare_config(c, tokenizer_path(ckpt, tokenizer), ckpt)
   args, shapes = param_shapes(c)
   entries = meta_entries(args)
   check_tensors(source, entries, shapes, ckpt, "Meta", optional=("rope.freqs",))
@@ -167,7 +167,7 @@ def import_deepseek(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 
   m.n_future = 1 + int(hf.get("num_nextn_predict_layers") or 0)
   m.max_len = max_len or int(hf.get("max_position_embeddings", 4096))
   m.heads.kind, m.heads.seq_preset = "sequential", "deepseek_v3"
-  prepare_config(c, _tokenizer_path(ckpt, tokenizer), ckpt)
+  prepare_config(c, tokenizer_path(ckpt, tokenizer), ckpt)
   args, shapes = param_shapes(c)
   entries = deepseek_entries(args)
   # Each MTP module stores copies of the shared embedding and output matrix.

@@ -17,6 +17,12 @@ POLY_OPS = "+-*o"  # polynomial task: add, negate, multiply, compose
 Fail = Callable[[str, str], None]
 
 
+def padded_vocab(vocab_size: int, vocab_multiple: int) -> int:
+  """vocab_size rounded up to a multiple of vocab_multiple: the embedding's rows (here, not in
+  config.py, so jax-free code such as mtp_jax.scaling can count them too)."""
+  return -(-int(vocab_size) // int(vocab_multiple)) * int(vocab_multiple)
+
+
 def poly_max_len(n_ops: int, degree: int) -> int:
   """Characters of the longest polynomial-task example with n_ops operations: all binary, 2
   characters each ("* "), degree + 1 per operand, "=" and the answer."""

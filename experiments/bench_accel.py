@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax import decode as decode_lib
 from mtp_jax import flops as flops_lib
 from mtp_jax import optimizer as optim_lib
@@ -102,7 +103,7 @@ def make_config(size: str, n_future: int, dtype: str, batch: int, overrides):
     if not eq:
       raise ValueError(f"--set: expected field=value, got {kv_text!r}")
     set_field(c, key, value)
-  return config_lib.validate(c)
+  return validation.validate(c)
 
 
 def _peak_bytes(compiled) -> dict:

@@ -42,7 +42,7 @@ import numpy as np
 
 from mtp_jax import heads
 from mtp_jax import sampling as sampling_lib
-from mtp_jax.config import ModelArgs
+from mtp_jax.model_args import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding
 
 

@@ -34,6 +34,7 @@ from mtp_jax import sampling as sampling_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
+from mtp_jax import validation
 from mtp_jax.checkpoint import Checkpointer
 from mtp_jax.data import tokenizers
 from mtp_jax.model import build_model
@@ -55,7 +56,7 @@ def load_workdir(workdir: str) -> Loaded:
   if not os.path.isfile(cfg_path):
     raise ValueError(f"--workdir: {workdir!r} has no config.json; train into it first with "
                      f"python -m mtp_jax.train --workdir {workdir}")
-  config = config_lib.validate(config_lib.load_json(cfg_path))
+  config = validation.resolve(config_lib.load_json(cfg_path))
   model = build_model(config)
   tx = optim_lib.make_optimizer(config)
   mesh = shard_lib.make_mesh(config)

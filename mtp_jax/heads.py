@@ -16,7 +16,7 @@ final norm scale, the embedding table) come in as plain arguments, so lifting st
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -24,9 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.layers import Block, RMSNorm, dense_init, remat, rms_norm
-
-if TYPE_CHECKING:  # config imports this module (config.validate asks the kinds)
-  from mtp_jax.config import ModelArgs
+from mtp_jax.model_args import ModelArgs
 
 KINDS: dict[str, type["HeadKind"]] = {}
 
@@ -88,8 +86,8 @@ class HeadKind(nn.Module):
     choices: {field of config.model.heads that this kind reads: its allowed values}. Checked
       whichever kind is chosen, so a typo in a saved config fails at start-up.
     preset_field, presets: an optional field naming a preset, and {preset: {field: value}};
-      `config.validate` expands it (a field set by hand must agree with the preset or be at
-      its default).
+      `validation.expand_presets` sets its fields (validate checks that a field set by hand
+      agrees with the preset or is at its default).
   """
   args: ModelArgs
 
@@ -113,8 +111,9 @@ class HeadKind(nn.Module):
 
   @classmethod
   def validate_fields(cls, h, defaults, fail: Callable[[str, str], None]) -> None:
-    """Expands the preset into config.model.heads `h` (a field not at its default must agree
-    with it), then checks `choices`. `fail(field, message)` raises."""
+    """Checks config.model.heads `h` without changing it: a field the preset sets must be at
+    the preset's value or at its default, and each field (as the preset sets it) in `choices`.
+    `fail(field, message)` raises."""
     preset = h[cls.preset_field] if cls.preset_field else ""
     if preset and preset not in cls.presets:
       fail(f"model.heads.{cls.preset_field}", f"got {preset!r}, allowed: '' or "
@@ -124,10 +123,10 @@ class HeadKind(nn.Module):
         fail(f"model.heads.{cls.preset_field}", f"preset {preset!r} sets {field} = {value!r}, "
              f"but {field} = {h[field]!r} was asked for; set {cls.preset_field}='' to choose "
              "the fields one by one")
-      h[field] = value
     for field, allowed in cls.choices.items():
-      if h[field] not in allowed:
-        fail(f"model.heads.{field}", f"got {h[field]!r}, allowed: "
+      value = cls.presets.get(preset, {}).get(field, h[field])
+      if value not in allowed:
+        fail(f"model.heads.{field}", f"got {value!r}, allowed: "
              + ", ".join(map(repr, allowed)))
 
   @classmethod

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from mtp_jax.data.config_checks import padded_vocab
+from mtp_jax import config as config_lib
+from mtp_jax.model_args import padded_vocab
 
 # The values of mtp_jax.sweep.RunStatus.DONE and .SKIPPED (RunStatus.ok) as sweep.json and
 # results.csv hold them; this module reads those files and does not import the sweep runner.
@@ -61,15 +62,15 @@ def acceptance_proxy(agree: list[float]) -> float:
   return total
 
 
-def _embedding_params(config: dict | None) -> int | None:
+def _embedding_params(config_path: str) -> int | None:
   """Parameters of the embedding (and of the untied output matrix): rows * d_model each, rows
-  the vocabulary padded to model.vocab_multiple (a config saved before the field existed has no
-  padding)."""
-  if not config:
+  the vocabulary padded to model.vocab_multiple (config.load_json: a config saved before the
+  field existed has no padding). None without the config."""
+  if not os.path.isfile(config_path):
     return None
-  m = config["model"]
-  rows = padded_vocab(m["vocab_size"], m.get("vocab_multiple", 1))
-  return rows * m["d_model"] * (1 if m.get("tie_embeddings", True) else 2)
+  m = config_lib.load_json(config_path).model
+  rows = padded_vocab(m.vocab_size, m.vocab_multiple)
+  return rows * m.d_model * (1 if m.tie_embeddings else 2)
 
 
 def gather_results(root: str) -> list[dict]:
@@ -96,8 +97,7 @@ def gather_results(root: str) -> list[dict]:
   for r, s in zip(runs, summaries):
     row = {"name": r["name"], "status": r["status"], **r["overrides"]}
     if s:
-      config = read_json(os.path.join(r["workdir"], "config.json"))
-      emb = _embedding_params(config)
+      emb = _embedding_params(os.path.join(r["workdir"], "config.json"))
       n_params, tokens = s["n_params"], s["tokens_seen"]
       row.update({k: s.get(k) for k in ("head_kind", "n_future", "n_params", "tokens_seen",
                                         "train/loss", "wall_seconds", "tokens_per_sec") + tuple(

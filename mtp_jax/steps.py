@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax import loss as loss_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
@@ -80,7 +81,7 @@ def check_init_from(config, workdir: str) -> None:
           and os.path.isdir(os.path.join(workdir, "checkpoints"))):
     raise ValueError(f"{field}: {workdir!r} is not a workdir with config.json and checkpoints/ "
                      "(e.g. one written by python -m mtp_jax.convert from-hf)")
-  source = config_lib.validate(config_lib.load_json(os.path.join(workdir, "config.json")))
+  source = validation.validate(config_lib.load_json(os.path.join(workdir, "config.json")))
 
   def shapes(c):
     model = build_model(c)

@@ -34,6 +34,7 @@ from mtp_jax import flops as flops_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
+from mtp_jax import validation
 from mtp_jax.checkpoint import Checkpointer
 from mtp_jax.data import pipeline, tokenizers
 from mtp_jax.metrics import MetricsWriter
@@ -73,7 +74,7 @@ def check_inputs(config: ml_collections.ConfigDict, workdir: str | None):
     raise ValueError("--workdir: required, the folder for checkpoints and metrics")
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ValueError(f"--workdir: {workdir!r} exists and is not a folder")
-  config_lib.validate(config)
+  validation.resolve(config)  # checks, then expands the head kinds' presets (saved so)
   if config.train.init_from:
     steps_lib.check_init_from(config, config.train.init_from)
   tok = tokenizers.get_tokenizer(config.data)

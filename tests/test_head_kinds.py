@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax import decode as decode_lib
 from mtp_jax import heads
 from mtp_jax.layers import rms_norm
@@ -49,7 +49,7 @@ def test_registering_a_name_twice_is_an_error(bias_kind):
 
 def test_unregistered_kind_is_a_config_error(make_config):
   with pytest.raises(ValueError, match=r"^config\.model\.heads\.kind: got 'bias'"):
-    config_lib.validate(make_config("bias", 3))
+    validation.validate(make_config("bias", 3))
 
 
 def test_new_kind_in_one_class_trains_and_decodes(bias_kind, make_config):
@@ -99,7 +99,7 @@ def _shapes(tree):
   return jax.tree.map(lambda x: tuple(x.shape), tree)
 
 
-@pytest.mark.parametrize("kind", config_lib.HEAD_KINDS)
+@pytest.mark.parametrize("kind", tuple(heads.KINDS))
 def test_layout_every_stacked_index_is_one_head(make_config, kind):
   """head_params(j) for j = 1..n names every index of every stack exactly once."""
   n = 3
@@ -121,7 +121,7 @@ def test_layout_every_stacked_index_is_one_head(make_config, kind):
     assert cls.head_params(1) == []  # head 1 is the trunk itself
 
 
-@pytest.mark.parametrize("kind", config_lib.HEAD_KINDS)
+@pytest.mark.parametrize("kind", tuple(heads.KINDS))
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_slice_params_is_the_heads_of_a_k_head_model(make_config, kind, k):
   params = _abstract(make_config(kind, 3))

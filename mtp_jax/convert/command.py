@@ -33,7 +33,7 @@ def _define_import(fv: flags.FlagValues) -> None:
 def _define_from_hf(fv: flags.FlagValues) -> None:
   _define_import(fv)
   flags.DEFINE_integer("n_future", None, "heads, head 1 included (>= 2)", flag_values=fv)
-  flags.DEFINE_enum("heads", None, list(config_lib.HEAD_KINDS), "head kind", flag_values=fv)
+  flags.DEFINE_string("heads", None, "head kind (a name in mtp_jax.heads.KINDS)", flag_values=fv)
   flags.DEFINE_enum("init_heads", "copy", list(from_hf.INIT_HEADS),
                     "new heads start as copies of head 1 or from the model's initialiser",
                     flag_values=fv)

@@ -63,9 +63,9 @@ def hf_config(ckpt: str, n_future: int, heads: str, max_len: int) -> ml_collecti
   if hf.get("model_type") != "llama" or arch not in ([], ["LlamaForCausalLM"]):
     raise ValueError(f"--ckpt: config.json describes {', '.join(arch) or 'no architecture'} "
                      f"(model_type {hf.get('model_type')!r}); {_LLAMA_ONLY}")
-  if heads not in config_lib.HEAD_KINDS:
+  if heads not in heads_lib.KINDS:
     raise ValueError(f"--heads: got {heads!r}, allowed: "
-                     + ", ".join(map(repr, config_lib.HEAD_KINDS)))
+                     + ", ".join(map(repr, heads_lib.KINDS)))
   if n_future < 2:
     raise ValueError(f"--n_future: must be >= 2 (head 1 is the HF model), got {n_future}")
   c = config_lib.base_config()

@@ -27,7 +27,7 @@ import numpy as np
 from flax import traverse_util
 
 from mtp_jax import heads as heads_lib
-from mtp_jax.config import ModelArgs
+from mtp_jax.model_args import ModelArgs
 from mtp_jax.model import build_model, init_params
 
 # (our path inside a Block, Meta name, HF Llama name, leading input axes of our kernel; 0: a

@@ -17,6 +17,7 @@ import numpy as np
 from flax import traverse_util
 
 from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax.checkpoint import Checkpointer, checkpoint_dir
 from mtp_jax.convert.layouts import (check_tensors, deepseek_entries, llama_entries, meta_entries,
                                      param_shapes, read_params, to_torch, unpad)
@@ -38,7 +39,7 @@ def prepare_config(config: ml_collections.ConfigDict, spm: str, source: str):
       raise ValueError(f"--tokenizer: no SentencePiece model at {spm!r}")
     config.data.tokenizer, config.data.spm_path = "sentencepiece", os.path.abspath(spm)
   try:
-    config_lib.validate(config)
+    validation.resolve(config)
   except ValueError as e:
     raise ValueError(f"--ckpt: the config converted from {source} is not valid: {e}") from None
   tok = tokenizers.get_tokenizer(config.data)

@@ -174,7 +174,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   tokens_per_step = config.train.batch_size * config.data.seq_len
   try:
     flops_per_token = flops_lib.flops_per_token(config)["total"]
-  except ValueError as e:  # a head kind flops.py cannot count yet: train on, without MFU
+  except ValueError as e:  # a head kind without HeadKind.flops_per_token: train on, without MFU
     logging.warning("no MFU: %s", e)
     flops_per_token = None
   peak_flops, peak_source = flops_lib.peak_flops_per_device(config.model.dtype)

@@ -13,6 +13,7 @@ import pytest
 
 from mtp_jax import validation
 from mtp_jax import decode as decode_lib
+from mtp_jax import flops as flops_lib
 from mtp_jax import heads
 from mtp_jax.layers import rms_norm
 from mtp_jax.loss import model_loss
@@ -24,6 +25,10 @@ CYCLE = [3, 7, 1, 9, 4, 12, 6, 10]
 class BiasHeads(heads.HeadKind):
   """Head i is the trunk state plus a learned bias b_i, then the shared final norm."""
   stacks = {"bias": 1}  # params["heads"]["bias"][i] is head i + 1
+
+  @classmethod
+  def flops_per_token(cls, m, block):
+    return 0, 0  # a bias add: no matmul, no attention
 
   @nn.compact
   def __call__(self, z_BxSxD, s: heads.Shared, cache=None):
@@ -81,6 +86,12 @@ def test_new_kind_in_one_class_trains_and_decodes(bias_kind, make_config):
   assert head_loss.shape == (3,)
   assert float(jnp.abs(params["heads"]["bias"] - bias_before).max()) > 0  # the heads train
 
+  # FLOPs: the kind counts its own (none), flops.py the trunk of n_layers blocks and the rest.
+  f, m = flops_lib.flops_per_token(c), c.model
+  block = flops_lib._block(m.d_model, m.n_heads, m.n_kv_heads, m.d_ff)  # pylint: disable=protected-access
+  assert f["heads"] == 0 and f["trunk"] == 3 * m.n_layers * block
+  assert f["unembedding"] == 3 * 3 * 2 * m.d_model * m.vocab_size
+
   kw = dict(max_new_tokens=12, eos_id=-1, pad_id=0)
   prompts = [[3, 7], [9], [6, 10, 3, 7, 1]]
   g = decode_lib.greedy(params, model.args, prompts, **kw)
@@ -88,6 +99,19 @@ def test_new_kind_in_one_class_trains_and_decodes(bias_kind, make_config):
     s = decode_lib.decode(params, model.args, prompts, k=k, **kw)
     np.testing.assert_array_equal(s.tokens, g.tokens)
     np.testing.assert_array_equal(s.lengths, g.lengths)
+
+
+class Uncounted(heads.HeadKind):
+  """A kind that does not count its FLOPs (no flops_per_token)."""
+
+
+def test_kind_without_flops_hook_is_one_clear_error(make_config):
+  heads.register("uncounted")(Uncounted)
+  try:
+    with pytest.raises(ValueError, match=r"^head kind 'uncounted' does not count its FLOPs "):
+      flops_lib.flops_per_token(make_config("uncounted", 2))
+  finally:
+    heads.unregister("uncounted")
 
 
 def _abstract(config):

@@ -17,6 +17,7 @@ import numpy as np
 from flax import traverse_util
 
 from mtp_jax import config as config_lib
+from mtp_jax import heads as heads_lib
 from mtp_jax import validation
 from mtp_jax.checkpoint import Checkpointer, checkpoint_dir
 from mtp_jax.convert.layouts import (check_tensors, deepseek_entries, llama_entries, meta_entries,
@@ -208,7 +209,8 @@ def export_hf(workdir: str, out: str) -> dict:
       "hidden_size": a.d_model, "intermediate_size": a.d_ff,
       "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
       "head_dim": a.head_dim,
-      "num_hidden_layers": a.n_trunk + (a.head_kind == "parallel"),
+      # The trunk, then head 1's own block if the kind gives it one (as llama_entries reads).
+      "num_hidden_layers": a.n_trunk + len(heads_lib.KINDS[a.head_kind].head_params(1)),
       "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "rope_scaling": None,
       "vocab_size": a.vocab_size, "max_position_embeddings": a.max_len,
       "tie_word_embeddings": a.tie_embeddings, "hidden_act": "silu",

@@ -265,7 +265,7 @@ def main(argv=None) -> dict:
   prompts_for = lambda b: [rng.integers(1, model_args.vocab_size, prompt_len) for _ in range(b)]
   params_from, note, pad_id = "random-init (the n=4 train variant's params)", RANDOM_NOTE, 0
   if args.workdir:
-    from mtp_jax.generate import load_workdir  # pylint: disable=import-outside-toplevel
+    from mtp_jax.workdir import load_workdir  # pylint: disable=import-outside-toplevel
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_decode import heldout_prompts  # pylint: disable=import-outside-toplevel
     loaded = load_workdir(args.workdir)

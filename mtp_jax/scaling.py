@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from mtp_jax import config as config_lib
+from mtp_jax import workdir as workdir_lib
 from mtp_jax.model_args import padded_vocab
 
 # The values of mtp_jax.sweep.RunStatus.DONE and .SKIPPED (RunStatus.ok) as sweep.json and
@@ -87,7 +88,7 @@ def gather_results(root: str) -> list[dict]:
     raise ValueError(f"{root}: no sweep.json (run the sweep first)")
   runs = record["runs"]
   keys = list(dict.fromkeys(k for r in runs for k in r["overrides"]))
-  summaries = [read_json(os.path.join(r["workdir"], "summary.json")) or {} for r in runs]
+  summaries = [workdir_lib.read_summary(r["workdir"]) or {} for r in runs]
   max_n = max([int(s.get("n_future", 1)) for s in summaries] + [1])
   per_head = [f"eval/head{k}_{m}" for k in range(1, max_n + 1) for m in ("loss", "acc", "agree")]
   columns = (["name", "status"] + keys + ["head_kind", "n_future", "n_params", "n_params_nonembed",
@@ -97,7 +98,7 @@ def gather_results(root: str) -> list[dict]:
   for r, s in zip(runs, summaries):
     row = {"name": r["name"], "status": r["status"], **r["overrides"]}
     if s:
-      emb = _embedding_params(os.path.join(r["workdir"], "config.json"))
+      emb = _embedding_params(workdir_lib.config_path(r["workdir"]))
       n_params, tokens = s["n_params"], s["tokens_seen"]
       row.update({k: s.get(k) for k in ("head_kind", "n_future", "n_params", "tokens_seen",
                                         "train/loss", "wall_seconds", "tokens_per_sec") + tuple(

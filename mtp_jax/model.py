@@ -1,5 +1,5 @@
 """The MTP transformer: embedding, trunk (nn.scan + nn.remat over blocks), and a head kind from
-the registry in `heads.py`. `apply` returns per-head hidden states h_NxBxSxD (normalised) and,
+the registry in `heads/`. `apply` returns per-head hidden states h_NxBxSxD (normalised) and,
 when decoding, the updated KV cache; never the logits of all heads at once. The loss (and the
 decoder) unembed with `unembedding(params, args)`.
 

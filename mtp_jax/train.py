@@ -106,6 +106,7 @@ def evaluate(eval_step, params, config, batch_sharding) -> dict:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs (or resumes) training to config.train.steps; returns the summary it writes."""
   t_start = time.time()
+  validation.resolve(config)  # what it runs and saves in config.json: presets expanded
   shard_lib.maybe_initialize_distributed(config.mesh.distributed)  # before process_index is read
   train_it = pipeline.make_iterator(config, "train")
   next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now, not at eval

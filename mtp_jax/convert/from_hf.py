@@ -5,7 +5,7 @@ whose heads 2..n are new, to be fine-tuned (`train.init_from`, `optim.trainable 
   python -m mtp_jax.convert from-hf --ckpt DIR --out WORKDIR --n_future 4 \\
       --heads parallel|projection|sequential [--init_heads copy|random] [--dtype bfloat16]
 
-Where head 1 comes from, per kind (heads.py):
+Where head 1 comes from, per kind (mtp_jax/heads/):
   parallel    Gloeckle et al. 2024 §2 / Meta's layout: the last HF layer is head 1's block, the
               trunk is the layers before it; `copy` starts heads 2..n as copies of that block.
   projection  head 1 is the whole HF model; heads 2..n are residual MLPs.

@@ -121,13 +121,13 @@ def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
   grad_fn = make_grad_fn(model, config)
   # Frozen params must stay bit-identical; elsewhere optax's plain sum is all a step needs.
   update_params = apply_updates if config.optim.trainable == "heads" else optax.apply_updates
-  nan_steps = jnp.asarray(list(config.train.debug_nonfinite_steps) or [-1], jnp.int32)
+  nan_steps = tuple(config.train.debug_nonfinite_steps)
 
   def train_step(state: TrainState, batch):
     grads, metrics = grad_fn(state.params, batch)
-    # Fault injection for the reliability tests: config.train.debug_nonfinite_steps.
-    poison = jnp.any(nan_steps == state.step)
-    grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
+    if nan_steps:  # fault injection for the reliability tests only: traced when asked for
+      poison = jnp.any(jnp.asarray(nan_steps, jnp.int32) == state.step)
+      grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = update_params(state.params, updates)
     consecutive, total = optim_lib.nonfinite_counts(opt_state)

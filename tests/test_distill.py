@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 
 import grain
 import numpy as np
@@ -108,3 +110,21 @@ def test_distill_errors_are_one_line(tiny, capsys):
   with pytest.raises(ValueError, match="is not empty and is not an unfinished distill run"):
     distill.main(base)
   assert sorted(os.listdir(out)) == ["other.txt"]
+
+
+def test_distill_command_line(tmp_path):
+  """The real entry point: --help exits 0; a bad flag is one `error:` line and exit status 2,
+  before any workdir is read or anything written."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = lambda *argv: subprocess.run([sys.executable, "-m", "mtp_jax.data.distill", *argv],
+                                     capture_output=True, text=True, timeout=300,
+                                     env=dict(os.environ, PYTHONPATH=root))
+  p = run("--help")
+  assert p.returncode == 0 and "--max_new_tokens" in p.stdout, p.stdout + p.stderr
+  out = str(tmp_path / "o")
+  p = run("--workdir", str(tmp_path / "none"), "--source", "jsonl:x", "--out", out,
+          "--temperature", "0", "--num_samples", "2")
+  assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+      "error: --num_samples: > 1 needs --temperature > 0 (greedy continuations of a prompt "
+      "are all the same)"], p.stderr
+  assert not os.path.exists(out)

@@ -82,8 +82,15 @@ def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
   weights_N = loss_lib.head_weights(config)
   z_loss = config.loss.z_loss
 
+  # optim.trainable = "heads": frozen params behind lax.stop_gradient (no trunk backward), and
+  # head 1's loss, which depends on frozen params only, outside the gradient.
+  heads_only = config.optim.trainable == "heads"
+  trained = optim_lib.trained_slots(config) if heads_only else None
+
   def objective(params, batch, count_N):
-    sums = loss_lib.model_sums(params, model, config, batch)
+    if heads_only:
+      params = optim_lib.stop_frozen_gradients(params, trained)
+    sums = loss_lib.model_sums(params, model, config, batch, frozen_heads=int(heads_only))
     return loss_lib.weighted_loss(sums, weights_N, z_loss, count_N), sums
 
   grads_and_sums = jax.grad(objective, has_aux=True)

@@ -29,6 +29,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtp_jax import config as config_lib  # noqa: E402
+from mtp_jax import validation  # noqa: E402
 from mtp_jax import heads as heads_lib  # noqa: E402
 from mtp_jax import optimizer as optim_lib  # noqa: E402
 from mtp_jax import sharding as shard_lib  # noqa: E402
@@ -46,7 +47,7 @@ def make_config(args, trainable: str):
   c.data.seq_len, c.train.batch_size = args.seq_len, args.batch_size
   c.optim.trainable, c.optim.lr, c.optim.warmup_steps, c.optim.weight_decay = \
       trainable, 1e-3, 0, 0.0
-  return config_lib.validate(c)
+  return validation.resolve(c)
 
 
 def build(c):

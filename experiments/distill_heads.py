@@ -37,10 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode  # noqa: E402  (experiments/bench_decode.py)
 
 from mtp_jax import config as config_lib  # noqa: E402
+from mtp_jax import validation  # noqa: E402
 from mtp_jax import convert, train  # noqa: E402
 from mtp_jax import heads as heads_lib  # noqa: E402
 from mtp_jax.data import distill  # noqa: E402
-from mtp_jax.generate import load_workdir  # noqa: E402
+from mtp_jax.workdir import load_workdir  # noqa: E402
 
 
 def make_base(source: str, root: str):
@@ -79,7 +80,7 @@ def run_config(base_config, base_wd: str, args, files: str = ""):
   c.train.checkpoint_every, c.train.eval_batches, c.train.async_checkpoints = args.steps, 2, False
   if files:
     c.data.corpus, c.data.files, c.data.val_files = "array_record", files, ""
-  return config_lib.validate(c)
+  return validation.resolve(c)
 
 
 def main():
@@ -104,7 +105,7 @@ def main():
   os.makedirs(args.root, exist_ok=True)
   t0 = time.time()
   snap_wd, base_wd, source_step = make_base(args.source, args.root)
-  corpus = config_lib.validate(config_lib.load_json(os.path.join(base_wd, "config.json")))
+  corpus = validation.resolve(config_lib.load_json(os.path.join(base_wd, "config.json")))
   d = corpus.data
   if d.corpus == "tfds":
     spec, data_dir, text_key = f"tfds:{d.tfds_name}", d.tfds_data_dir, d.text_key

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax import convert, train
 from mtp_jax import decode as decode_lib
 from mtp_jax.data import corpora, distill, tokenizers
@@ -88,7 +89,7 @@ def test_distill_writes_greedy_continuations_resumes_and_trains(tiny, capsys):
   c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 2, 1, 2, 2
   c.train.eval_batches, c.train.async_checkpoints = 1, False
   c.train.init_from, c.optim.trainable = tiny["wd"], "heads"
-  summary = train.train(config_lib.validate(c), str(tiny["root"] / "run"))
+  summary = train.train(validation.resolve(c), str(tiny["root"] / "run"))
   assert summary["step"] == 2
 
 

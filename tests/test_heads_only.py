@@ -11,6 +11,7 @@ import pytest
 from flax.traverse_util import flatten_dict
 
 from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import steps
 
@@ -20,7 +21,7 @@ def test_heads_only_gradients_equal_the_full_backward(kind, make_config, make_mo
   c = make_config(kind, 3)
   c.model.remat_policy, c.model.scan_layers = "full", False  # unrolled: FLOPs count every block
   c.optim.trainable = "heads"
-  c = config_lib.validate(c)
+  c = validation.resolve(c)
   full = c.copy_and_resolve_references()
   full.optim.trainable = "all"
   model, params = make_model(c)

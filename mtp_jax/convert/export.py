@@ -28,10 +28,10 @@ from mtp_jax.data import tokenizers
 
 
 def _load(workdir: str):
-  from mtp_jax import generate  # pylint: disable=import-outside-toplevel
+  from mtp_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
   if not os.path.isfile(os.path.join(workdir, "config.json")):
     raise ValueError(f"--workdir: {workdir!r} has no config.json")
-  loaded = generate.load_workdir(workdir)
+  loaded = workdir_lib.load_workdir(workdir)
   flat = traverse_util.flatten_dict(jax.device_get(loaded.params))
   loaded.params = None
   return loaded, flat

@@ -144,13 +144,13 @@ def distill(workdir: str, source: str, out: str, *, prompt_len: int = 64,
   """Writes DIR/tokens-*.array_record and DIR/metadata.json; returns the metadata."""
   from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
 
-  from mtp_jax import generate  # pylint: disable=import-outside-toplevel
+  from mtp_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
   f = dict(locals())
   check_flags(f)
   out = os.path.expanduser(out)
   flags_used = {k: f[k] for k in _DEFINING}
   _check_out(out, flags_used)
-  loaded = generate.load_workdir(workdir)
+  loaded = workdir_lib.load_workdir(workdir)
   args, tok = loaded.model.args, loaded.tokenizer
   k = heads or args.n_future
   decode_lib.check_heads(args, k)

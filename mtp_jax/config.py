@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from mtp_jax import attention
+from mtp_jax import family_checks
 from mtp_jax import heads
 from mtp_jax.data import config_checks as data_checks
 from mtp_jax.sharding import DISTRIBUTED_MODES
@@ -33,6 +34,12 @@ DTYPES = ("float32", "bfloat16")
 FLOAT_RANGES = {
     "model.rope_theta": ("> 0", lambda x: x > 0),
     "model.norm_eps": ("> 0", lambda x: x > 0),
+    "model.rope_factor": (">= 1", lambda x: x >= 1),
+    "model.rope_low_freq_factor": ("> 0", lambda x: x > 0),
+    "model.rope_high_freq_factor": ("> 0", lambda x: x > 0),
+    "model.rope_beta_fast": ("> 0", lambda x: x > 0),
+    "model.rope_beta_slow": ("> 0", lambda x: x > 0),
+    "model.rope_attention_factor": (">= 0 (0: from rope_factor)", lambda x: x >= 0),
     "loss.geometric_decay": ("in (0, 1]", lambda x: 0 < x <= 1),
     "loss.mtp_lambda": (">= 0", lambda x: x >= 0),
     "loss.z_loss": (">= 0", lambda x: x >= 0),
@@ -72,6 +79,20 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.scan_layers = True
   c.model.dtype = "float32"  # compute dtype; params stay float32
   c.model.attention_impl = "auto"  # mtp_jax/attention.py: auto, einsum, cpu, xla, cudnn, splash
+  # Model families (layers.Attention; docs/finetuning_families.md): defaults are a plain Llama.
+  c.model.qkv_bias = False  # biases on q, k, v (Qwen2)
+  c.model.qk_norm = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+  c.model.head_dim = 0  # 0: d_model // n_heads; else its own size (Qwen3)
+  c.model.sliding_window = 0  # > 0: a query sees the last this-many positions (Mistral)
+  # RoPE scaling as transformers' modeling_rope_utils: none, linear, llama3, yarn.
+  c.model.rope_scaling = "none"
+  c.model.rope_factor = 1.0  # linear, llama3, yarn
+  c.model.rope_low_freq_factor = 1.0  # llama3
+  c.model.rope_high_freq_factor = 4.0  # llama3
+  c.model.rope_original_max_len = 8192  # llama3, yarn: the pretraining context
+  c.model.rope_beta_fast = 32.0  # yarn
+  c.model.rope_beta_slow = 1.0  # yarn
+  c.model.rope_attention_factor = 0.0  # yarn: 0 = 0.1 ln(rope_factor) + 1
   c.model.heads = ml_collections.ConfigDict()
   c.model.heads.kind = "parallel"
   # Parallel head blocks: "vmap" runs them side by side (fast on small models); "scan" runs one
@@ -197,7 +218,8 @@ def _model_fields(m: ml_collections.ConfigDict) -> dict[str, Any]:
 def _model_args_from_config(cls, m: ml_collections.ConfigDict):
   """The ModelArgs of a validated `config.model` (fields it does not know are ignored)."""
   flat = _model_fields(m)
-  flat.update(dtype=jnp.dtype(m.dtype), n_trunk=heads.KINDS[m.heads.kind].n_trunk(m))
+  flat.update(dtype=jnp.dtype(m.dtype), n_trunk=heads.KINDS[m.heads.kind].n_trunk(m),
+              head_dim=m.head_dim or m.d_model // m.n_heads)
   return cls(**{f.name: flat[f.name] for f in dataclasses.fields(cls)})
 
 
@@ -211,9 +233,9 @@ ModelArgs = dataclasses.make_dataclass(
     namespace={
         "__module__": __name__,
         "__doc__": "Every field of config.model, flat (model.heads.kind as head_kind), dtype as "
-                   "a jnp dtype, and n_trunk: the trunk blocks its head kind leaves.",
+                   "a jnp dtype, head_dim resolved (d_model // n_heads when 0), and n_trunk: "
+                   "the trunk blocks its head kind leaves.",
         "from_config": classmethod(_model_args_from_config),
-        "head_dim": property(lambda self: self.d_model // self.n_heads),
         # Rows of the embedding (columns of the unembedding): ids >= vocab_size are padding.
         "padded_vocab": property(lambda self: data_checks.padded_vocab(self.vocab_size,
                                                            self.vocab_multiple)),
@@ -318,11 +340,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if m.n_future < 1:
     _fail("model.n_future", f"must be >= 1, got {m.n_future}")
   _validate_heads(c)
-  if m.d_model % m.n_heads:
-    _fail("model.n_heads", f"must divide model.d_model ({m.d_model}), got {m.n_heads}")
-  if (m.d_model // m.n_heads) % 2:
-    _fail("model.n_heads", f"head size d_model/n_heads = {m.d_model // m.n_heads} must be even "
-          "for RoPE")
+  family_checks.validate_family(c, _fail, _choice)
   if m.n_heads % m.n_kv_heads:
     _fail("model.n_kv_heads", f"must divide model.n_heads ({m.n_heads}), got {m.n_kv_heads}")
 

@@ -84,6 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.qk_norm = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
   c.model.head_dim = 0  # 0: d_model // n_heads; else its own size (Qwen3)
   c.model.sliding_window = 0  # > 0: a query sees the last this-many positions (Mistral)
+  c.model.family = "llama"  # the HF architecture `convert to-hf` writes: llama qwen2 qwen3 mistral
   # RoPE scaling as transformers' modeling_rope_utils: none, linear, llama3, yarn.
   c.model.rope_scaling = "none"
   c.model.rope_factor = 1.0  # linear, llama3, yarn
@@ -122,6 +123,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.val_percent = 5  # validation split: files whose path hash falls below this percent
   c.data.tokenizer = "byte"
   c.data.spm_path = ""  # sentencepiece model file when tokenizer == "sentencepiece"
+  c.data.hf_tokenizer = ""  # tokenizer.json (or its folder) when tokenizer == "hf"
   c.data.seq_len = 256
   c.data.shuffle_seed = 0
   c.data.worker_count = 0
@@ -278,6 +280,11 @@ def load_json(path: str) -> ml_collections.ConfigDict:
       else:
         dst[key] = value
   merge(c, saved)
+  folder = os.path.dirname(os.path.abspath(path))
+  for field in ("spm_path", "hf_tokenizer"):  # a workdir's own copy, by a relative name
+    value = c.data[field]
+    if value and not os.path.isabs(value) and os.path.exists(os.path.join(folder, value)):
+      c.data[field] = os.path.join(folder, value)
   return c
 
 

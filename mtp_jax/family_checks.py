@@ -5,6 +5,7 @@ failure helpers."""
 from __future__ import annotations
 
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # transformers' rope_type names
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # HF architectures (convert/families.py)
 
 
 def validate_family(c, fail, choice) -> None:
@@ -18,6 +19,7 @@ def validate_family(c, fail, choice) -> None:
     fail("model.n_heads", f"head size d_model/n_heads = {m.d_model // m.n_heads} must be even "
           "for RoPE")
   choice(c, "model.rope_scaling", ROPE_SCALINGS)
+  choice(c, "model.family", FAMILIES)
   if m.rope_original_max_len < 1:
     fail("model.rope_original_max_len", f"must be >= 1, got {m.rope_original_max_len}")
   if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:

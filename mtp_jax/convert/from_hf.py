@@ -47,6 +47,12 @@ def hf_config(ckpt: str, n_future: int, heads: str, max_len: int) -> ml_collecti
   """The config of `ckpt` (its config.json) with `n_future` heads of kind `heads`, before
   `prepare_config` (tokenizer, validation)."""
   hf = read_json(os.path.join(ckpt, "config.json"), "config.json")
+  return config_from_hf(hf, n_future, heads, max_len)
+
+
+def config_from_hf(hf: dict, n_future: int, heads: str, max_len: int = 0
+                   ) -> ml_collections.ConfigDict:
+  """base_config() with the model of config.json `hf` and `n_future` heads of kind `heads`."""
   family = families.family_of(hf)
   if heads not in config_lib.HEAD_KINDS:
     raise ValueError(f"--heads: got {heads!r}, allowed: "

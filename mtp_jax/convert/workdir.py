@@ -43,19 +43,21 @@ def _tokenizer_fields(config: ml_collections.ConfigDict, path: str) -> None:
     raise ValueError(f"--tokenizer: no SentencePiece model or tokenizer.json at {path!r}")
 
 
-def check_coverage(tok, name: str) -> None:
-  """Refuses a tokenizer that cannot encode printable ASCII (code): a SentencePiece model
-  without byte_fallback, a tokenizer.json with an unknown token it falls back to."""
+def check_coverage(tok, name: str) -> str:
+  """A warning ("" if none) for a tokenizer that cannot encode printable ASCII (code): a
+  SentencePiece model without byte_fallback, a tokenizer.json with an unknown token."""
   missing = []
   for ch in string.printable:
     try:
       tok.encode(ch)
     except ValueError:
       missing.append(ch)
-  if missing:
-    raise ValueError(f"--tokenizer: {name} cannot encode {len(missing)} printable ASCII "
-                     f"characters ({''.join(missing[:12])!r}...; no byte fallback): training on "
-                     "code would fail at the first one; use a tokenizer with byte_fallback")
+  if not missing:
+    return ""
+  return (f"warning: --tokenizer: {name} cannot encode {len(missing)} printable ASCII "
+          f"characters ({''.join(missing[:12])!r}...; no byte fallback): training on a text "
+          "holding one stops with 'cannot encode text in FILE'; a tokenizer with byte_fallback "
+          "covers every text")
 
 
 def prepare_config(config: ml_collections.ConfigDict, path: str, source: str):
@@ -76,9 +78,11 @@ def prepare_config(config: ml_collections.ConfigDict, path: str, source: str):
   if tok.vocab_size > m.vocab_size:
     raise ValueError(f"--tokenizer: {path or 'the byte tokenizer'} has {tok.vocab_size} ids, "
                      f"more than the model's vocabulary ({m.vocab_size})"
-                     + ("" if path else f"; {source} has no tokenizer, name one"))
-  if path:
-    check_coverage(tok, path)
+                     + ("" if path else f"; {source} has no tokenizer.model or "
+                        "tokenizer.json, name one"))
+  warning = check_coverage(tok, path) if path else ""
+  if warning:
+    print(warning, file=sys.stderr)
   if not path:
     print(f"warning: {source} has no tokenizer.model or tokenizer.json and --tokenizer is not "
           "given: the workdir uses the byte tokenizer", file=sys.stderr)

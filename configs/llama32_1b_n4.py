@@ -4,8 +4,8 @@ fine-tunes an import (heads only, bf16, full remat, 2048 tokens): what experimen
 compiles to size the fine-tuning. A real run imports the checkpoint instead
 (docs/finetuning_families.md):
 
-  python experiments/plan_memory.py --config configs/llama32_1b_n4.py --devices 1 --no_baseline \\
-      --hbm_gib 80 --json experiments/results/plan_llama32_1b_n4.json
+  python experiments/plan_memory.py --config configs/llama32_1b_n4.py --devices 1 \\
+      --no_baseline --hbm_gib 80 --json experiments/results/plan_llama32_1b_n4.json
 """
 
 from mtp_jax.convert.from_hf import config_from_hf

@@ -12,7 +12,8 @@ Every kernel computes the same function. Without a cache, query s sees key t <= 
 segment (positions increase along the sequence, so this is the reference's positions test);
 with a cache, query s sees cache slot t <= positions[b, s]. With `window` W > 0 (Mistral's
 sliding window, model.sliding_window) a query also sees only the W most recent of those keys
-(query position - key position < W, as transformers' sliding-window mask). A kernel that cannot take a case
+(query position - key position < W, as transformers' sliding-window mask).
+A kernel that cannot take a case
 (cudnn: packed segments, the cache, f32; splash: the cache, not on a TPU) hands it to `xla`
 (`cpu` on a CPU backend), and says why once in the log. The fused kernels take causality as a
 flag, never as an [S, T] mask in memory.
@@ -197,7 +198,8 @@ def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
 def splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
                      block: int = 128, interpret: bool = False, window: int = 0):
   """The Pallas splash kernel (no cache): a static causal block mask (a LocalMask with a
-  sliding window), so fully masked tiles are skipped, and packed documents as SegmentIds. Imported here: it only builds on a TPU (or with
+  sliding window), so fully masked tiles are skipped, and packed documents as SegmentIds.
+  Imported here: it only builds on a TPU (or with
   `interpret=True`, how the CPU test runs it)."""
   del positions_BxS
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415

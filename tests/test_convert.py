@@ -350,7 +350,8 @@ def test_meta_errors(spm_path, tmp_path, capsys):
   with pytest.raises(ValueError, match="unexpected tensor 'extra_heads.2.ffn_norm.weight'"):
     convert.import_meta(_save_meta(tmp_path / "extra", extra), str(tmp_path / "o"),
                         tokenizer=spm_path)
-  with pytest.raises(ValueError, match="byte tokenizer has 259 ids.*no tokenizer.model, name one"):
+  with pytest.raises(ValueError, match="byte tokenizer has 259 ids.*no tokenizer.model or "
+                     "tokenizer.json, name one"):
     convert.import_meta(_save_meta(tmp_path / "extra", sd), str(tmp_path / "o"))
   assert not os.path.exists(tmp_path / "o")  # nothing written on a refused checkpoint
 

@@ -19,6 +19,7 @@ torch = require("torch")
 transformers = require("transformers")
 tokenizers_lib = require("tokenizers")
 
+from mtp_jax import config as config_lib  # noqa: E402
 from mtp_jax import convert, generate  # noqa: E402
 from mtp_jax import decode as decode_lib  # noqa: E402
 from mtp_jax.data import tokenizers  # noqa: E402
@@ -47,7 +48,8 @@ FAMILIES = {  # family: (config class, model class, extra config, head kind)
 def train_bpe(folder, *, bos_template: bool) -> str:
   """A byte-level BPE (every text encodes) with <s>, </s>, <pad>; Llama 3 style: its template
   puts <s> first."""
-  from tokenizers import decoders, models, pre_tokenizers, processors, trainers  # pylint: disable=import-outside-toplevel
+  from tokenizers import (  # pylint: disable=import-outside-toplevel
+      decoders, models, pre_tokenizers, processors, trainers)
   tok = tokenizers_lib.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
@@ -149,7 +151,7 @@ def test_workdir_carries_its_tokenizer(imported):
     assert json.load(f)["data"]["hf_tokenizer"] == "tokenizer.json"
   moved = str(root / "moved")
   shutil.copytree(out, moved)
-  before = generate.load_workdir(out).tokenizer
+  before = tokenizers.get_tokenizer(config_lib.load_json(os.path.join(out, "config.json")).data)
   shutil.rmtree(os.path.join(ckpt))  # the source checkpoint is gone too
   loaded = generate.load_workdir(moved)
   tok = loaded.tokenizer

@@ -46,7 +46,7 @@ def _hf_params(kind, fields, theta):
 def test_rope_frequencies_equal_transformers(kind):
   require("torch")
   transformers = require("transformers")
-  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # pylint: disable=import-outside-toplevel
+  rope_init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS
   c = tiny_config()
   c.model.rope_theta, c.model.head_dim, c.model.rope_scaling = 50000.0, 16, kind
   c.model.max_len = 256
@@ -57,7 +57,7 @@ def test_rope_frequencies_equal_transformers(kind):
   hf = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=16,
                                 max_position_embeddings=256,
                                 rope_parameters=_hf_params(kind, ROPES[kind], 50000.0))
-  want, want_factor = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
+  want, want_factor = rope_init[kind](hf, "cpu")
   np.testing.assert_allclose(inv, want.numpy(), rtol=1e-6)
   assert factor == pytest.approx(want_factor)
   if kind != "linear":  # the scaling changes some frequencies and keeps others
@@ -68,8 +68,9 @@ def test_rope_frequencies_equal_transformers(kind):
 
 def test_sliding_window_mask_by_hand():
   """Window 3 over positions 0..5: query t sees keys t-2..t; in a second segment only its own."""
+  visible = attention._visible_BxSxT  # pylint: disable=protected-access
   pos = jnp.arange(6)[None]
-  got = np.asarray(attention._visible_BxSxT(pos, None, 6, False, window=3)[0])  # pylint: disable=protected-access
+  got = np.asarray(visible(pos, None, 6, False, window=3)[0])
   want = np.array([[1, 0, 0, 0, 0, 0],
                    [1, 1, 0, 0, 0, 0],
                    [1, 1, 1, 0, 0, 0],
@@ -78,11 +79,11 @@ def test_sliding_window_mask_by_hand():
                    [0, 0, 0, 1, 1, 1]], bool)
   np.testing.assert_array_equal(got, want)
   seg = jnp.asarray([[1, 1, 1, 1, 2, 2]])
-  got = np.asarray(attention._visible_BxSxT(pos, seg, 6, False, window=3)[0])  # pylint: disable=protected-access
+  got = np.asarray(visible(pos, seg, 6, False, window=3)[0])
   want[4:, :4] = False
   np.testing.assert_array_equal(got, want)
   # the cache: query at position 4 sees slots 2, 3, 4 of an 8-slot cache
-  got = np.asarray(attention._visible_BxSxT(jnp.asarray([[4]]), None, 8, True, window=3))  # pylint: disable=protected-access
+  got = np.asarray(visible(jnp.asarray([[4]]), None, 8, True, window=3))
   np.testing.assert_array_equal(got[0, 0], [0, 0, 1, 1, 1, 0, 0, 0])
 
 

@@ -18,7 +18,8 @@ from mtp_jax.convert import workdir
 from mtp_jax.data import pipeline, prepare, tokenizers
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * i)\n",
-         "naïve café → λx: x², 漢字 and emoji 🙂\n", "class Point:\n    x: int = 0\n"] * 10
+         "naïve café → λx: x², 漢字 and emoji 🙂\n",
+         "class Point:\n    x: int = 0\n"] * 10
 PROBES = TEXTS[:4] + ["", " ", "\t\tindent", "  x = {'k': [1, 2]}  # comment", "<s>a</s>"]
 
 
@@ -26,7 +27,8 @@ PROBES = TEXTS[:4] + ["", " ", "\t\tindent", "  x = {'k': [1, 2]}  # comment", "
 def bpe(tmp_path_factory):
   """A byte-level BPE with a Llama 3 style template (<s> first) and tokenizer_config.json."""
   lib = require("tokenizers")
-  from tokenizers import decoders, models, pre_tokenizers, processors, trainers  # pylint: disable=import-outside-toplevel
+  from tokenizers import (  # pylint: disable=import-outside-toplevel
+      decoders, models, pre_tokenizers, processors, trainers)
   folder = tmp_path_factory.mktemp("bpe")
   tok = lib.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -37,7 +39,8 @@ def bpe(tmp_path_factory):
   tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
   tok.save(str(folder / "tokenizer.json"))
   (folder / "tokenizer_config.json").write_text(json.dumps(
-      {"bos_token": "<s>", "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
+      {"bos_token": "<s>",
+       "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
        "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast"}))
   return str(folder)
 

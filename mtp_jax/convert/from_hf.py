@@ -91,7 +91,8 @@ def new_heads(config: ml_collections.ConfigDict, params: dict, init_heads: str) 
 def import_hf(ckpt: str, out: str, *, n_future: int, heads: str, init_heads: str = "copy",
               tokenizer: str = "", max_len: int = 0, dtype: str = "float32"
               ) -> ml_collections.ConfigDict:
-  """HF Llama / Qwen2 / Qwen3 / Mistral `ckpt` (config.json, model.safetensors or shards with their index) ->
+  """HF Llama / Qwen2 / Qwen3 / Mistral `ckpt`
+  (config.json, model.safetensors or shards with their index) ->
   workdir `out` with `n_future` heads of kind `heads`. Nothing is written unless every tensor
   is there with its shape."""
   check_out(out)

@@ -112,6 +112,7 @@ def test_head1_and_generate_equal_transformers(imported):
 
   prompts = [tok.encode(t, add_bos=tok.prompt_bos) for t in ("def add(a", "for i in r")]
   assert tok.prompt_bos == (family == "llama")
+  assert list(generate.encode_prompts(tok, ["def add(a"])[0]) == list(prompts[0])  # bos as HF
   n = min(len(p) for p in prompts)
   prompts_BxP = np.stack([p[:n] for p in prompts])
   ours = decode_lib.greedy(loaded.params, a, list(prompts_BxP), max_new_tokens=10,

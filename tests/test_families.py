@@ -140,8 +140,9 @@ def _family_config(kind="parallel", impl="cpu"):
 @pytest.mark.parametrize("kind, impl", [("parallel", "cpu"), ("projection", "einsum"),
                                         ("sequential", "xla")])
 def test_kv_cache_equals_full_forward_with_every_feature(kind, impl):
-  """Prefill 4 tokens then one token at a time, with biases, qk-norm, head_dim 12 != 32 / 4,
-  llama3 RoPE and a 5-token window over 10 positions: head 1 equals the no-cache forward."""
+  """Prefill 4 tokens, two one-token steps, then a 4-token window (as speculative decoding
+  verifies), with biases, qk-norm, head_dim 12 != 32 / 4, llama3 RoPE and a 5-token window over
+  10 positions: head 1 equals the no-cache forward."""
   c = _family_config(kind, impl)
   model, params = tiny_model(c)
   a = model.args
@@ -157,8 +158,8 @@ def test_kv_cache_equals_full_forward_with_every_feature(kind, impl):
     h_ref, _ = apply(tokens)
     h, cache = apply(tokens[:, :P], None, positions[:, :P], init_decode_cache(a, 2, L))
     hs = [h]
-    for t in range(P, S):
-      h, cache = apply(tokens[:, t:t + 1], None, positions[:, t:t + 1], cache)
+    for lo, hi in ((P, P + 1), (P + 1, P + 2), (P + 2, S)):  # two one-token steps, a window
+      h, cache = apply(tokens[:, lo:hi], None, positions[:, lo:hi], cache)
       hs.append(h)
     return h_ref, jnp.concatenate(hs, axis=2)
 

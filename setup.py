@@ -19,6 +19,7 @@ setup(
         "absl-py",
         "numpy",
         "sentencepiece>=0.2",
+        "tokenizers>=0.20",  # data.tokenizer = "hf": tokenizer.json (Llama 3, Qwen, Mistral)
         "tensorboardX>=2.6",
         "matplotlib",
     ],
@@ -36,7 +37,7 @@ setup(
             # convert tests: torch reference forwards, transformers' LlamaForCausalLM.
             "torch>=2.4",
             "safetensors>=0.4",
-            "transformers>=4.45",
+            "transformers>=5.0",  # the family tests build configs with rope_parameters
             # notebooks executed by tests/test_notebooks.py.
             "nbclient>=0.10",
             "nbformat>=5.10",

@@ -10,7 +10,10 @@
 
 Every kernel computes the same function. Without a cache, query s sees key t <= s of its own
 segment (positions increase along the sequence, so this is the reference's positions test);
-with a cache, query s sees cache slot t <= positions[b, s]. A kernel that cannot take a case
+with a cache, query s sees cache slot t <= positions[b, s]. With `window` W > 0 (Mistral's
+sliding window, model.sliding_window) a query also sees only the W most recent of those keys
+(query position - key position < W, as transformers' sliding-window mask).
+A kernel that cannot take a case
 (cudnn: packed segments, the cache, f32; splash: the cache, not on a TPU) hands it to `xla`
 (`cpu` on a CPU backend), and says why once in the log. The fused kernels take causality as a
 flag, never as an [S, T] mask in memory.
@@ -70,42 +73,50 @@ def resolve(impl: str, *, cached: bool, segments: bool, dtype, backend: str | No
 
 
 def attend(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS=None, *,
-           cached: bool, impl: str = "auto", dtype=jnp.float32):
-  """softmax(q k^T / sqrt(E) + mask) v for grouped-query heads; returns out_BxSxHxE in dtype."""
+           cached: bool, impl: str = "auto", dtype=jnp.float32, window: int = 0):
+  """softmax(q k^T / sqrt(E) + mask) v for grouped-query heads; returns out_BxSxHxE in dtype.
+  `window` > 0: a query sees only keys less than `window` positions back (sliding window)."""
   used = resolve(impl, cached=cached, segments=segment_ids_BxS is not None, dtype=dtype)
   args = (q_BxSxHxE, k_BxTxKxE.astype(dtype), v_BxTxKxE.astype(dtype), positions_BxS,
           segment_ids_BxS)
   if used == "einsum":
-    return einsum_attention(*args, cached=cached, dtype=dtype)
+    return einsum_attention(*args, cached=cached, dtype=dtype, window=window)
   if used == "cpu":
-    return cpu_attention(*args, cached=cached, dtype=dtype)
+    return cpu_attention(*args, cached=cached, dtype=dtype, window=window)
   if used == "xla":
-    return xla_attention(*args, cached=cached, implementation="xla")
+    return xla_attention(*args, cached=cached, implementation="xla", window=window)
   try:  # the fused kernels check shapes and dtypes while tracing
     if used == "cudnn":
-      return xla_attention(*args, cached=cached, implementation="cudnn")
-    return splash_attention(*args)
+      return xla_attention(*args, cached=cached, implementation="cudnn", window=window)
+    return splash_attention(*args, window=window)
   except (ValueError, NotImplementedError, RuntimeError) as e:
     _note_fallback(impl, "xla", f"{used} refused this case ({str(e).splitlines()[0]})")
-    return xla_attention(*args, cached=cached, implementation="xla")
+    return xla_attention(*args, cached=cached, implementation="xla", window=window)
 
 
-def _visible_BxSxT(positions_BxS, segment_ids_BxS, T: int, cached: bool):
+def _visible_BxSxT(positions_BxS, segment_ids_BxS, T: int, cached: bool, window: int = 0):
   """Boolean [B, S, T] mask of the keys each query sees (the reference's definition)."""
   if cached:
-    return jnp.arange(T)[None, None, :] <= positions_BxS[:, :, None]
+    slots_T = jnp.arange(T)[None, None, :]
+    mask_BxSxT = slots_T <= positions_BxS[:, :, None]
+    if window:
+      mask_BxSxT &= positions_BxS[:, :, None] - slots_T < window
+    return mask_BxSxT
   mask_BxSxT = positions_BxS[:, :, None] >= positions_BxS[:, None, :]
+  if window:
+    mask_BxSxT &= positions_BxS[:, :, None] - positions_BxS[:, None, :] < window
   if segment_ids_BxS is not None:
     mask_BxSxT &= segment_ids_BxS[:, :, None] == segment_ids_BxS[:, None, :]
   return mask_BxSxT
 
 
 def einsum_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
-                     cached: bool, dtype):
+                     cached: bool, dtype, window: int = 0):
   """The reference: f32 [B, K, G, S, T] logits over every (query, key) pair, masked by select."""
   B, S, H, E = q_BxSxHxE.shape
   K = k_BxTxKxE.shape[2]
-  mask_BxSxT = _visible_BxSxT(positions_BxS, segment_ids_BxS, k_BxTxKxE.shape[1], cached)
+  mask_BxSxT = _visible_BxSxT(positions_BxS, segment_ids_BxS, k_BxTxKxE.shape[1], cached,
+                              window)
   q_BxSxKxGxE = q_BxSxHxE.reshape(B, S, K, H // K, E)
   logits_BxKxGxSxT = jnp.einsum("bskge,btke->bkgst", q_BxSxKxGxE, k_BxTxKxE,
                                 preferred_element_type=jnp.float32) / jnp.sqrt(E)
@@ -121,7 +132,7 @@ def _bias(visible, dtype=jnp.float32):
 
 
 def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
-                  cached: bool, dtype, query_blocks: int | None = None):
+                  cached: bool, dtype, query_blocks: int | None = None, window: int = 0):
   """Heads-major attention for XLA:CPU. q, k, v are transposed once to [B, K, rows, E], so every
   matmul is a plain batched GEMM over (b, k) with the G query heads of a kv head stacked as
   rows ([G*S, E] x [E, T]: GQA's shared keys are read once). The mask is an additive bias (the
@@ -141,7 +152,7 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   k_BxKxTxE = k_BxTxKxE.transpose(0, 2, 1, 3)
   v_BxKxTxE = v_BxTxKxE.transpose(0, 2, 1, 3)
   if cached:  # decode: few queries against the whole cache, one block
-    bias_Bx1x1xSxT = _bias(_visible_BxSxT(positions_BxS, None, T, True))[:, None, None]
+    bias_Bx1x1xSxT = _bias(_visible_BxSxT(positions_BxS, None, T, True, window))[:, None, None]
   Sb = S // n_blocks
   outs = []
   for i in range(n_blocks):
@@ -154,7 +165,8 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
     if cached:
       bias = bias_Bx1x1xSxT
     else:
-      causal_SbxTi = np.arange(lo, hi)[:, None] >= np.arange(Ti)[None, :]
+      back_SbxTi = np.arange(lo, hi)[:, None] - np.arange(Ti)[None, :]  # query - key index
+      causal_SbxTi = (back_SbxTi >= 0) & ((back_SbxTi < window) if window else True)
       bias = jnp.asarray(np.where(causal_SbxTi, 0.0, NEG).astype(np.float32))
       if segment_ids_BxS is not None:
         same_BxSbxTi = segment_ids_BxS[:, lo:hi, None] == segment_ids_BxS[:, None, :Ti]
@@ -167,24 +179,27 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
 
 
 def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
-                  cached: bool, implementation: str):
+                  cached: bool, implementation: str, window: int = 0):
   """jax.nn.dot_product_attention. Causality goes in as `is_causal` (cudnn then skips the masked
-  tiles); only packed segments and the cache, which the API cannot express otherwise, pass a
-  [B, 1, S, T] mask (xla materialises its logits anyway)."""
+  tiles) and a sliding window as `local_window_size` (window - 1 keys back, none ahead); only
+  packed segments and the cache, which the API cannot express otherwise, pass a [B, 1, S, T]
+  mask (xla materialises its logits anyway)."""
   mask = None
   if cached:
-    mask = _visible_BxSxT(positions_BxS, None, k_BxTxKxE.shape[1], True)[:, None]
+    mask = _visible_BxSxT(positions_BxS, None, k_BxTxKxE.shape[1], True, window)[:, None]
   elif segment_ids_BxS is not None:
     mask = (segment_ids_BxS[:, :, None] == segment_ids_BxS[:, None, :])[:, None]
+  local = (window - 1, 0) if window and not cached else None
   return jax.nn.dot_product_attention(
       q_BxSxHxE.astype(k_BxTxKxE.dtype), k_BxTxKxE, v_BxTxKxE, mask=mask,
-      is_causal=not cached, implementation=implementation)
+      is_causal=not cached, local_window_size=local, implementation=implementation)
 
 
 def splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
-                     block: int = 128, interpret: bool = False):
-  """The Pallas splash kernel (no cache): a static causal block mask, so fully masked tiles are
-  skipped, and packed documents as SegmentIds. Imported here: it only builds on a TPU (or with
+                     block: int = 128, interpret: bool = False, window: int = 0):
+  """The Pallas splash kernel (no cache): a static causal block mask (a LocalMask with a
+  sliding window), so fully masked tiles are skipped, and packed documents as SegmentIds.
+  Imported here: it only builds on a TPU (or with
   `interpret=True`, how the CPU test runs it)."""
   del positions_BxS
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
@@ -198,7 +213,8 @@ def splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids
                             block_q_dkv=block, block_kv_dkv=block,
                             block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
   kernel = splash.make_splash_mha(
-      masks.MultiHeadMask([masks.CausalMask((S, S))] * H), block_sizes=sizes, head_shards=1,
+      masks.MultiHeadMask([masks.LocalMask((S, S), (window - 1, 0), 0) if window
+                           else masks.CausalMask((S, S))] * H), block_sizes=sizes, head_shards=1,
       q_seq_shards=1, interpret=interpret)
   heads_major = lambda x: x.transpose(0, 2, 1, 3)
   # Scale by a Python float (weakly typed): a numpy f32 scalar would promote bf16 q to f32.

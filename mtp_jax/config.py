@@ -48,6 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.val_percent = 5  # validation split: files whose path hash falls below this percent
   c.data.tokenizer = "byte"
   c.data.spm_path = ""  # sentencepiece model file when tokenizer == "sentencepiece"
+  c.data.hf_tokenizer = ""  # tokenizer.json (or its folder) when tokenizer == "hf"
   c.data.seq_len = 256
   c.data.shuffle_seed = 0
   c.data.worker_count = 0
@@ -167,6 +168,11 @@ def load_json(path: str) -> ml_collections.ConfigDict:
       else:
         dst[key] = value
   merge(c, saved)
+  folder = os.path.dirname(os.path.abspath(path))
+  for field in ("spm_path", "hf_tokenizer"):  # a workdir's own copy, by a relative name
+    value = c.data[field]
+    if value and not os.path.isabs(value) and os.path.exists(os.path.join(folder, value)):
+      c.data[field] = os.path.join(folder, value)
   return c
 
 

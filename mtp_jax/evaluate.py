@@ -143,7 +143,9 @@ def run(opts: dict, out=None) -> dict:
   prompts = []
   for p in problems:
     try:
-      prompts.append(tok.encode(p.prompt, add_bos=opts["add_bos"]))
+      # --add_bos, or the tokenizer's own template starts with bos (a Llama 3 tokenizer.json)
+      add_bos = opts["add_bos"] or getattr(tok, "prompt_bos", False)
+      prompts.append(tok.encode(p.prompt, add_bos=add_bos))
     except ValueError as e:
       raise ValueError(f"--task: prompt of {p.task_id} cannot be encoded: {e}") from None
   longest = max(len(p) for p in prompts)

@@ -62,11 +62,14 @@ PEAK_FLOPS: dict[str, tuple[float, float, str]] = {
 }
 
 
-def _block(d: int, n_heads: int, n_kv_heads: int, d_ff: int) -> int:
-  """Forward matmul FLOPs per token of one pre-norm Llama block, attention scores aside:
-  q and o (d x d each), k and v (d x n_kv_heads * head_dim each, GQA), SwiGLU's three d x d_ff."""
-  kv = n_kv_heads * (d // n_heads)
-  return 2 * (2 * d * d + 2 * d * kv + 3 * d * d_ff)
+def _block(d: int, n_heads: int, n_kv_heads: int, d_ff: int, head_dim: int = 0,
+           qkv_bias: bool = False) -> int:
+  """Forward FLOPs per token of one pre-norm Llama block, attention scores aside: q and o
+  (d x n_heads * head_dim each), k and v (d x n_kv_heads * head_dim each, GQA), SwiGLU's three
+  d x d_ff; with q/k/v biases (Qwen2) their adds, one FLOP per output. head_dim 0: d // n_heads."""
+  e = head_dim or d // n_heads
+  q, kv = n_heads * e, n_kv_heads * e
+  return 2 * (2 * d * q + 2 * d * kv + 3 * d * d_ff) + (q + 2 * kv if qkv_bias else 0)
 
 
 def flops_per_token(config: ml_collections.ConfigDict, *, train: bool = True,
@@ -83,7 +86,8 @@ def flops_per_token(config: ml_collections.ConfigDict, *, train: bool = True,
   """
   m = config.model
   d, n, S = m.d_model, m.n_future, config.data.seq_len
-  block = _block(d, m.n_heads, m.n_kv_heads, m.d_ff)
+  block = _block(d, m.n_heads, m.n_kv_heads, m.d_ff, m.head_dim, m.qkv_bias)
+  q_width = m.n_heads * (m.head_dim or d // m.n_heads)
   kind = heads_lib.KINDS.get(m.heads.kind)
   if kind is None:
     raise ValueError(f"config.model.heads.kind: got {m.heads.kind!r}, allowed: "
@@ -93,12 +97,14 @@ def flops_per_token(config: ml_collections.ConfigDict, *, train: bool = True,
   except NotImplementedError as e:
     raise ValueError(str(e)) from None
   n_trunk = kind.n_trunk(m)
-  keys = S / 2 if causal_half else S
+  W = min(m.sliding_window or S, S)  # keys a query can see at most (Mistral's window)
+  # causal_half: query t sees min(t + 1, W) keys, averaged over t (S / 2 without a window)
+  keys = (sum(min(t + 1, W) for t in range(S)) / S if W < S else S / 2) if causal_half else W
   out = {
       "trunk": float(n_trunk * block),
       "heads": float(heads),
       # QK^T and PV: 2 FLOPs x head_dim x keys, for each of n_heads query heads, twice.
-      "attention": float((n_trunk + head_blocks) * 4 * d * keys),
+      "attention": float((n_trunk + head_blocks) * 4 * q_width * keys),
       "unembedding": float(n * 2 * d * m.vocab_size),
   }
   scale = 3.0 if train else 1.0

@@ -39,7 +39,8 @@ def encode_prompts(tokenizer, texts: list[str]) -> list[np.ndarray]:
     if not text:
       raise ValueError(f"--prompt: prompt {i + 1} is empty")
     try:
-      ids = tokenizer.encode(text)
+      # bos first where the tokenizer's own template puts it (a Llama 3 tokenizer.json)
+      ids = tokenizer.encode(text, add_bos=getattr(tokenizer, "prompt_bos", False))
     except ValueError as e:
       raise ValueError(f"--prompt: prompt {i + 1} cannot be encoded: {e}") from None
     out.append(ids)

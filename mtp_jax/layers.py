@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtp_jax import attention, sharding
 from mtp_jax.model_args import ModelArgs
@@ -59,13 +62,48 @@ class RMSNorm(nn.Module):
     return rms_norm(x_BxSxD, norm_param(self, "scale", x_BxSxD.shape[-1]), self.eps, self.dtype)
 
 
-def rope(x_BxSxHxE, positions_BxS, theta: float):
+def rope_frequencies(a: ModelArgs) -> tuple[np.ndarray, float]:
+  """(inv_freq [E/2] float32, attention factor) of model.rope_scaling, as transformers'
+  modeling_rope_utils computes them: none (default), linear (positions / factor), llama3
+  (low frequencies / factor, a smooth ramp between low_freq_factor and high_freq_factor
+  wavelengths), yarn (NTK-by-parts ramp between beta_fast and beta_slow rotations; cos and sin
+  scaled by the attention factor, 0.1 ln(factor) + 1 unless given)."""
+  E, base, factor = a.head_dim, a.rope_theta, a.rope_factor
+  pos_freqs = np.float32(base) ** (np.arange(0, E, 2).astype(np.float32) / np.float32(E))
+  inv = (1.0 / pos_freqs).astype(np.float32)
+  kind, old = a.rope_scaling, a.rope_original_max_len
+  if kind == "linear":
+    return (inv / np.float32(factor)).astype(np.float32), 1.0
+  if kind == "llama3":
+    low_wavelen, high_wavelen = old / a.rope_low_freq_factor, old / a.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - a.rope_low_freq_factor) / (
+        a.rope_high_freq_factor - a.rope_low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+  if kind == "yarn":
+    attn = a.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    dim_of = lambda rot: E * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low = max(math.floor(dim_of(a.rope_beta_fast)), 0)
+    high = min(math.ceil(dim_of(a.rope_beta_slow)), E - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(E // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    interp = 1.0 / (np.float32(factor) * pos_freqs)
+    return (interp * (1 - extrapolation) + inv * extrapolation).astype(np.float32), float(attn)
+  return inv, 1.0
+
+
+def rope(x_BxSxHxE, positions_BxS, inv_freq: np.ndarray, attention_factor: float = 1.0):
   """Rotary embedding, rotate-half layout (HF Llama); Meta's interleaved-pair checkpoints need
-  their q/k rows permuted on import."""
+  their q/k rows permuted on import. `inv_freq` from `rope_frequencies` (model.rope_scaling)."""
   half = x_BxSxHxE.shape[-1] // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  ang_BxSx1xE2 = positions_BxS[:, :, None, None].astype(jnp.float32) * freq
+  ang_BxSx1xE2 = positions_BxS[:, :, None, None].astype(jnp.float32) * jnp.asarray(inv_freq)
   sin, cos = jnp.sin(ang_BxSx1xE2), jnp.cos(ang_BxSx1xE2)
+  if attention_factor != 1.0:
+    sin, cos = sin * attention_factor, cos * attention_factor
   x = x_BxSxHxE.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -88,7 +126,9 @@ class Attention(nn.Module):
   segment (packed documents never attend to each other). With a cache, the new keys are written
   at `positions` and query t sees cache slots s <= t: stale slots past a row's length are never
   read before being overwritten, which is what makes rollback-by-length decoding exact.
-  The kernel is `args.attention_impl` (mtp_jax.attention: einsum, cpu, xla, cudnn, splash, auto)."""
+  The kernel is `args.attention_impl` (mtp_jax.attention: einsum, cpu, xla, cudnn, splash, auto).
+  Model families: q/k/v biases (qkv_bias, Qwen2), RMSNorm over head_dim on q and k before RoPE
+  (qk_norm, Qwen3), head_dim apart from d_model / n_heads, RoPE scaling, a sliding window."""
   args: ModelArgs
 
   @nn.compact
@@ -96,12 +136,17 @@ class Attention(nn.Module):
     a = self.args
     H, K, E = a.n_heads, a.n_kv_heads, a.head_dim
     proj = lambda feats, axes, name: nn.DenseGeneral(
-        feats, use_bias=False, dtype=a.dtype, kernel_init=dense_init(axes), name=name)
+        feats, use_bias=a.qkv_bias, dtype=a.dtype, kernel_init=dense_init(axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]), name=name)
     q_BxSxHxE = tokens_2d(proj((H, E), ("embed", "heads", "head_dim"), "wq"))(x_BxSxD)
     k_BxSxKxE = tokens_2d(proj((K, E), ("embed", "kv_heads", "head_dim"), "wk"))(x_BxSxD)
     v_BxSxKxE = tokens_2d(proj((K, E), ("embed", "kv_heads", "head_dim"), "wv"))(x_BxSxD)
-    q_BxSxHxE = rope(q_BxSxHxE, positions_BxS, a.rope_theta)
-    k_BxSxKxE = rope(k_BxSxKxE, positions_BxS, a.rope_theta)
+    if a.qk_norm:  # Qwen3: per-head RMSNorm of q and k, before RoPE
+      q_BxSxHxE = rms_norm(q_BxSxHxE, norm_param(self, "q_norm", E), a.norm_eps)
+      k_BxSxKxE = rms_norm(k_BxSxKxE, norm_param(self, "k_norm", E), a.norm_eps)
+    inv_freq, attention_factor = rope_frequencies(a)
+    q_BxSxHxE = rope(q_BxSxHxE, positions_BxS, inv_freq, attention_factor)
+    k_BxSxKxE = rope(k_BxSxKxE, positions_BxS, inv_freq, attention_factor)
 
     if cache is None:
       k_BxTxKxE, v_BxTxKxE = k_BxSxKxE, v_BxSxKxE
@@ -115,7 +160,7 @@ class Attention(nn.Module):
     out_BxSxHxE = attention.attend(
         q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS,
         None if cache is not None else segment_ids_BxS, cached=cache is not None,
-        impl=a.attention_impl, dtype=a.dtype)
+        impl=a.attention_impl, dtype=a.dtype, window=a.sliding_window)
     out_BxSxD = tokens_2d(nn.DenseGeneral(
         a.d_model, axis=(-2, -1), use_bias=False, dtype=a.dtype,
         kernel_init=dense_init(("heads", "head_dim", "embed")), name="wo"))(out_BxSxHxE)

@@ -47,6 +47,22 @@ class ModelArgs:
   # model.model_args builds.
   dtype: Any = "float32"
   attention_impl: str = "auto"  # mtp_jax/attention.py: auto, einsum, cpu, xla, cudnn, splash
+  # Model families (layers.Attention; docs/finetuning_families.md): defaults are a plain Llama.
+  qkv_bias: bool = False  # biases on q, k, v (Qwen2)
+  qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+  # 0: d_model // n_heads (resolved in the instance); else its own size (Qwen3).
+  head_dim: int = 0
+  sliding_window: int = 0  # > 0: a query sees the last this-many positions (Mistral)
+  family: str = "llama"  # the HF architecture `convert to-hf` writes: llama qwen2 qwen3 mistral
+  # RoPE scaling as transformers' modeling_rope_utils: none, linear, llama3, yarn.
+  rope_scaling: str = "none"
+  rope_factor: float = 1.0  # linear, llama3, yarn
+  rope_low_freq_factor: float = 1.0  # llama3
+  rope_high_freq_factor: float = 4.0  # llama3
+  rope_original_max_len: int = 8192  # llama3, yarn: the pretraining context
+  rope_beta_fast: float = 32.0  # yarn
+  rope_beta_slow: float = 1.0  # yarn
+  rope_attention_factor: float = 0.0  # yarn: 0 = 0.1 ln(rope_factor) + 1
   head_kind: str = _heads("parallel")  # config.model.heads.kind: a name in heads.KINDS
   # Parallel head blocks: "vmap" runs them side by side (fast on small models); "scan" runs one
   # at a time, so only one head's activations are alive (what large models need: plan_memory).
@@ -60,9 +76,9 @@ class ModelArgs:
   # Not a config field: the trunk blocks the head kind leaves (HeadKind.n_trunk).
   n_trunk: int = dataclasses.field(default=0, metadata={"derived": True})
 
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.n_heads
+  def __post_init__(self):
+    if not self.head_dim:  # the config's 0: d_model // n_heads
+      object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
 
   @property
   def padded_vocab(self) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 import ml_collections
 
 from mtp_jax import attention
+from mtp_jax import family_checks
 from mtp_jax import heads
 from mtp_jax.config import DTYPES, HEAD_WEIGHTS, base_config, parse_head_weights
 from mtp_jax.data import config_checks as data_checks
@@ -26,6 +27,12 @@ TRAINABLE = ("all", "heads")  # optim.trainable: "heads" trains heads 2..n only 
 FLOAT_RANGES = {
     "model.rope_theta": ("> 0", lambda x: x > 0),
     "model.norm_eps": ("> 0", lambda x: x > 0),
+    "model.rope_factor": (">= 1", lambda x: x >= 1),
+    "model.rope_low_freq_factor": ("> 0", lambda x: x > 0),
+    "model.rope_high_freq_factor": ("> 0", lambda x: x > 0),
+    "model.rope_beta_fast": ("> 0", lambda x: x > 0),
+    "model.rope_beta_slow": ("> 0", lambda x: x > 0),
+    "model.rope_attention_factor": (">= 0 (0: from rope_factor)", lambda x: x >= 0),
     "loss.geometric_decay": ("in (0, 1]", lambda x: 0 < x <= 1),
     "loss.mtp_lambda": (">= 0", lambda x: x >= 0),
     "loss.z_loss": (">= 0", lambda x: x >= 0),
@@ -108,11 +115,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if m.n_future < 1:
     _fail("model.n_future", f"must be >= 1, got {m.n_future}")
   _validate_heads(c)
-  if m.d_model % m.n_heads:
-    _fail("model.n_heads", f"must divide model.d_model ({m.d_model}), got {m.n_heads}")
-  if (m.d_model // m.n_heads) % 2:
-    _fail("model.n_heads", f"head size d_model/n_heads = {m.d_model // m.n_heads} must be even "
-          "for RoPE")
+  family_checks.validate_family(c, _fail, _choice)
   if m.n_heads % m.n_kv_heads:
     _fail("model.n_kv_heads", f"must divide model.n_heads ({m.n_heads}), got {m.n_kv_heads}")
 

@@ -165,6 +165,7 @@ def check_init_from(config: ml_collections.ConfigDict, workdir: str) -> None:
 
   from mtp_jax import steps as steps_lib
   from mtp_jax import validation
+  from mtp_jax.data import tokenizers
   from mtp_jax.model import build_model
   # pylint: enable=import-outside-toplevel
   field, hint = "config.train.init_from", "take config.model and config.data.tokenizer from it"
@@ -187,10 +188,11 @@ def check_init_from(config: ml_collections.ConfigDict, workdir: str) -> None:
                        f"{theirs.get(name)} there, {ours.get(name)} here); {hint} (configs/"
                        "finetune.py does)")
   d, s = config.data, source.data
-  if d.tokenizer != s.tokenizer or (d.tokenizer == "sentencepiece" and not (
-      os.path.isfile(d.spm_path) and filecmp.cmp(d.spm_path, s.spm_path, shallow=False))):
+  mine, theirs = tokenizers.tokenizer_file(d), tokenizers.tokenizer_file(s)
+  if d.tokenizer != s.tokenizer or (d.tokenizer != "byte" and not (
+      os.path.isfile(mine) and filecmp.cmp(mine, theirs, shallow=False))):
     raise ValueError(f"{field}: {workdir!r} was made with the {s.tokenizer} tokenizer "
-                     f"{s.spm_path!r}, this config reads {d.tokenizer} {d.spm_path!r}; {hint}")
+                     f"{theirs!r}, this config reads {d.tokenizer} {mine!r}; {hint}")
 
 
 def init_state_from(model, tx, config: ml_collections.ConfigDict, mesh, workdir: str):

@@ -159,6 +159,28 @@ def check_loss_grads(results):
           "seconds": round(time.perf_counter() - t0, 2)}
       print(name, results["loss_grads"][name]["grads_cmp"], f"{time.perf_counter() - t0:.1f}s",
             flush=True)
+  check_family(results, batch)
+
+
+def check_family(results, batch):
+  """Every model-family feature at once (q/k/v biases sharded like their kernels, q/k norms,
+  head_dim 8 != 64 / 4, llama3 RoPE, a 5-token window) on (2, 2, 2) against one device."""
+  def family(c):
+    c.model.update(qkv_bias=True, qk_norm=True, head_dim=8, sliding_window=5,
+                   rope_scaling="llama3", rope_factor=4.0, rope_original_max_len=8)
+    return c
+  base_cfg = family(make_config("parallel"))
+  params = random_params(build_model(base_cfg), seed=2)
+  (rl, rm), rg = loss_and_grads(base_cfg, params, batch)[0]
+  ((loss, metrics), grads), (param_sh, _) = loss_and_grads(
+      family(make_config("parallel", mesh=(2, 2, 2))), params, batch,
+      shard_lib.make_mesh(family(make_config("parallel", mesh=(2, 2, 2)))))
+  sp = specs(param_sh)
+  results["loss_grads"]["parallel/2,2,2/family"] = {
+      "loss_cmp": compare(loss, rl), "head_loss_cmp": compare(metrics["head_loss"],
+                                                              rm["head_loss"]),
+      "grads_cmp": compare(grads, rg),
+      "bias_specs": {k: v for k, v in sp.items() if k.endswith("['bias']")}}
 
 
 def random_state(abstract, seed=0):

@@ -350,7 +350,8 @@ def test_meta_errors(spm_path, tmp_path, capsys):
   with pytest.raises(ValueError, match="unexpected tensor 'extra_heads.2.ffn_norm.weight'"):
     convert.import_meta(_save_meta(tmp_path / "extra", extra), str(tmp_path / "o"),
                         tokenizer=spm_path)
-  with pytest.raises(ValueError, match="byte tokenizer has 259 ids.*no tokenizer.model, name one"):
+  with pytest.raises(ValueError, match="byte tokenizer has 259 ids.*no tokenizer.model or "
+                     "tokenizer.json, name one"):
     convert.import_meta(_save_meta(tmp_path / "extra", sd), str(tmp_path / "o"))
   assert not os.path.exists(tmp_path / "o")  # nothing written on a refused checkpoint
 
@@ -365,9 +366,10 @@ def test_deepseek_refuses_moe_mla_and_rope_scaling(tmp_path):
     convert.import_deepseek(_save_deepseek(tmp_path / "moe_cfg", sd,
                                            dict(DS_CONFIG, n_routed_experts=8)),
                             str(tmp_path / "o"))
-  with pytest.raises(ValueError, match="'yarn' RoPE scaling"):
+  with pytest.raises(ValueError, match="rope_scaling.mscale: DeepSeek's yarn mscale"):
     convert.import_deepseek(_save_deepseek(tmp_path / "yarn", sd, dict(
-        DS_CONFIG, rope_scaling={"type": "yarn", "factor": 40})), str(tmp_path / "o"))
+        DS_CONFIG, rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0,
+                                 "mscale_all_dim": 1.0})), str(tmp_path / "o"))
   mla = dict(sd, **{"model.layers.0.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(8, D)})
   with pytest.raises(ValueError, match="MLA attention.*dense Llama-style"):
     convert.import_deepseek(_save_deepseek(tmp_path / "mla", mla), str(tmp_path / "o"))

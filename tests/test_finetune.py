@@ -204,21 +204,23 @@ def test_errors_are_one_line_and_write_nothing(ckpts, tmp_path, capsys):
       (dst / f).write_bytes(text)
     return dst
 
-  mistral = copy_ckpt("mistral", lambda c: dict(c, model_type="mistral",
-                                                architectures=["MistralForCausalLM"]))
-  refused(mistral, match="MistralForCausalLM (model_type 'mistral'); from-hf reads a plain "
-          "LlamaForCausalLM only")
+  moe = copy_ckpt("moe", lambda c: dict(c, model_type="qwen2_moe",
+                                        architectures=["Qwen2MoeForCausalLM"]))
+  refused(moe, match="config.json architectures: Qwen2MoeForCausalLM (model_type 'qwen2_moe'); "
+          "from-hf reads LlamaForCausalLM, Qwen2ForCausalLM")
   shards = sorted(f for f in os.listdir(ckpts["untied"]) if f.endswith(".safetensors"))
   refused(copy_ckpt("missing", drop=(shards[-1],)),
           match=f"shard '{shards[-1]}', named in model.safetensors.index.json, is not in")
   refused(copy_ckpt("wide", lambda c: dict(c, intermediate_size=96)),
           match="'model.layers.0.mlp.gate_proj.weight' has shape (64, 32), expected (96, 32)")
-  refused(copy_ckpt("yarn", lambda c: dict(c, rope_parameters={"rope_type": "yarn",
-                                                                "factor": 4.0})),
-          match="'yarn' RoPE scaling")
+  refused(copy_ckpt("dynamic", lambda c: dict(c, rope_parameters={"rope_type": "dynamic",
+                                                                   "factor": 4.0})),
+          match="config.json rope_parameters.rope_type: 'dynamic'; mtp_jax has default")
+  refused(copy_ckpt("o_bias", lambda c: dict(c, attention_bias=True)),
+          match="config.json attention_bias: biases on o_proj")
   bpe = copy_ckpt("bpe")
   (bpe / "tokenizer.json").write_text("{}")
-  refused(bpe, match="tokenizer.json (HF tokenizers) and no tokenizer.model")
+  refused(bpe, match="--tokenizer: cannot read")
   refused(ckpts["untied"], "--init_heads", "zero", match="--init_heads")
   assert convert.main(["from-hf", "--ckpt", ckpts["untied"], "--out", out, "--n_future", "1",
                        "--heads", "parallel"]) == 2

@@ -62,6 +62,15 @@ def test_loss_and_grads_equal_one_device(results, kind, mesh):
   assert r["activation_constraints"] > 0  # block outputs pinned (sharding.activation_rules)
 
 
+def test_family_features_shard(results):
+  """q/k/v biases split over `tensor` like their heads; loss and gradients equal one device's
+  with biases, q/k norms, a head_dim of its own, llama3 RoPE and a sliding window."""
+  r = results["loss_grads"]["parallel/2,2,2/family"]
+  assert _allclose(r["loss_cmp"]) and _allclose(r["grads_cmp"]), r
+  assert r["bias_specs"] and all(v.startswith("P('tensor'") or v.startswith("P(None, 'tensor'")
+                                 for v in r["bias_specs"].values()), r["bias_specs"]
+
+
 @pytest.mark.parametrize("name", HEADS_ON_TENSOR)
 def test_stacked_head_axis_sharded_by_a_rule(results, name):
   """("mtp_heads", "tensor") first in the rules: the stacked head params split over `tensor`

@@ -1,5 +1,6 @@
 """Add multi-token-prediction heads to a pretrained next-token model: a Hugging Face
-`LlamaForCausalLM` (safetensors) becomes a workdir whose head 1 is the HF model, exactly, and
+`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` or `MistralForCausalLM` (safetensors;
+convert/families.py) becomes a workdir whose head 1 is the HF model, exactly, and
 whose heads 2..n are new, to be fine-tuned (`train.init_from`, `optim.trainable = "heads"`).
 
   python -m mtp_jax.convert from-hf --ckpt DIR --out WORKDIR --n_future 4 \\
@@ -35,34 +36,24 @@ from mtp_jax import config as config_lib
 from mtp_jax import heads as heads_lib
 from mtp_jax.convert.layouts import check_tensors, llama_entries, param_shapes, read_params
 from mtp_jax.convert.readers import Safetensors, read_json
-from mtp_jax.convert.workdir import (check_out, hf_llama_fields, prepare_config,
-                                     tokenizer_path, write_workdir)
+from mtp_jax.convert import families
+from mtp_jax.convert.workdir import check_out, prepare_config, tokenizer_path, write_workdir
 from mtp_jax.model import build_model
 
 INIT_HEADS = ("copy", "random")
-_LLAMA_ONLY = "from-hf reads a plain LlamaForCausalLM only"
-
-
-def _tokenizer(ckpt: str, given: str) -> str:
-  """--tokenizer, else the checkpoint's tokenizer.model, else "" (the byte tokenizer). A
-  tokenizer.json alone (HF `tokenizers`, e.g. Llama 3's BPE) is refused: mtp_jax reads byte and
-  SentencePiece tokenizers only, and training the model on another tokenizer's ids is noise."""
-  path = tokenizer_path(ckpt, given, parent=False)
-  if not path and os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
-    raise ValueError(f"--ckpt: {ckpt} has a tokenizer.json (HF tokenizers) and no "
-                     "tokenizer.model; mtp_jax reads SentencePiece models only: pass "
-                     "--tokenizer PATH.model")
-  return path
 
 
 def hf_config(ckpt: str, n_future: int, heads: str, max_len: int) -> ml_collections.ConfigDict:
   """The config of `ckpt` (its config.json) with `n_future` heads of kind `heads`, before
   `prepare_config` (tokenizer, validation)."""
   hf = read_json(os.path.join(ckpt, "config.json"), "config.json")
-  arch = hf.get("architectures") or []
-  if hf.get("model_type") != "llama" or arch not in ([], ["LlamaForCausalLM"]):
-    raise ValueError(f"--ckpt: config.json describes {', '.join(arch) or 'no architecture'} "
-                     f"(model_type {hf.get('model_type')!r}); {_LLAMA_ONLY}")
+  return config_from_hf(hf, n_future, heads, max_len)
+
+
+def config_from_hf(hf: dict, n_future: int, heads: str, max_len: int = 0
+                   ) -> ml_collections.ConfigDict:
+  """base_config() with the model of config.json `hf` and `n_future` heads of kind `heads`."""
+  family = families.family_of(hf)
   if heads not in heads_lib.KINDS:
     raise ValueError(f"--heads: got {heads!r}, allowed: "
                      + ", ".join(map(repr, heads_lib.KINDS)))
@@ -70,7 +61,7 @@ def hf_config(ckpt: str, n_future: int, heads: str, max_len: int) -> ml_collecti
     raise ValueError(f"--n_future: must be >= 2 (head 1 is the HF model), got {n_future}")
   c = config_lib.base_config()
   m = c.model
-  hf_llama_fields(hf, m, _LLAMA_ONLY)
+  families.model_fields(hf, m, family)
   m.max_len = max_len or int(hf.get("max_position_embeddings", 4096))
   m.n_future, m.heads.kind = n_future, heads
   # The HF layers are the trunk and head 1's own block, if the kind gives head 1 one (parallel:
@@ -102,7 +93,8 @@ def new_heads(config: ml_collections.ConfigDict, params: dict, init_heads: str) 
 def import_hf(ckpt: str, out: str, *, n_future: int, heads: str, init_heads: str = "copy",
               tokenizer: str = "", max_len: int = 0, dtype: str = "float32"
               ) -> ml_collections.ConfigDict:
-  """HF LlamaForCausalLM `ckpt` (config.json, model.safetensors or shards with their index) ->
+  """HF Llama / Qwen2 / Qwen3 / Mistral `ckpt`
+  (config.json, model.safetensors or shards with their index) ->
   workdir `out` with `n_future` heads of kind `heads`. Nothing is written unless every tensor
   is there with its shape."""
   check_out(out)
@@ -110,13 +102,14 @@ def import_hf(ckpt: str, out: str, *, n_future: int, heads: str, init_heads: str
     raise ValueError(f"--init_heads: got {init_heads!r}, allowed: 'copy', 'random'")
   c = hf_config(ckpt, n_future, heads, max_len)
   source = Safetensors(ckpt)
-  prepare_config(c, _tokenizer(ckpt, tokenizer), ckpt)
+  prepare_config(c, tokenizer_path(ckpt, tokenizer, parent=False), ckpt)
   args, shapes = param_shapes(c)
   entries = llama_entries(args)
   optional = {k for k in source.keys() if k.endswith("rotary_emb.inv_freq")}
   if args.tie_embeddings:
     optional.add("lm_head.weight")  # saved by some tied checkpoints; HF ignores it when tied
-  check_tensors(source, entries, shapes, ckpt, "Llama", optional=optional)
+  check_tensors(source, entries, shapes, ckpt, families.ARCHITECTURES[c.model.family],
+                optional=optional)
   # Fill what the checkpoint holds (head 1's own block, parallel, goes to blocks[0] of a
   # one-block stack: the rest of the stack is new_heads' business).
   filled = {p: s for p, s in shapes.items() if p[0] != "heads"}

@@ -43,6 +43,17 @@ BLOCK = (
     (("attention_norm", "scale"), "attention_norm", "input_layernorm", 0),
     (("ffn_norm", "scale"), "ffn_norm", "post_attention_layernorm", 0),
 )
+# Model-family tensors of HF checkpoints (Qwen2's q/k/v biases, Qwen3's q/k norms): (our path,
+# HF name, the ModelArgs flag that adds them); biases are flat [H * E] there, [H, E] here.
+FAMILY = (
+    (("attention", "wq", "bias"), "self_attn.q_proj.bias", "qkv_bias"),
+    (("attention", "wk", "bias"), "self_attn.k_proj.bias", "qkv_bias"),
+    (("attention", "wv", "bias"), "self_attn.v_proj.bias", "qkv_bias"),
+    (("attention", "q_norm", ), "self_attn.q_norm.weight", "qk_norm"),
+    (("attention", "k_norm", ), "self_attn.k_norm.weight", "qk_norm"),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
   """One foreign tensor and where it goes."""
@@ -53,6 +64,7 @@ class Entry:
   rope_heads: int = 0  # Meta wq/wk: heads whose rows go from interleaved to rotate-half
   vocab_axis: int | None = None  # our axis that is the (padded) vocabulary ...
   vocab: int = 0  # ... and its real size, the foreign tensor's
+  flat: bool = False  # the foreign tensor is ours flattened (a [H * E] bias)
 
 
 def real_shape(e: Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -79,6 +91,8 @@ def vocab_entries(a: ModelArgs, embed: str, unembed: str | None) -> list[Entry]:
 
 def torch_shape(e: Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
   """The foreign tensor's shape, given our (per-slot) shape."""
+  if e.flat:
+    return (math.prod(shape),)
   if not e.n_in:
     return tuple(shape)
   return (math.prod(shape[e.n_in:]), math.prod(shape[:e.n_in]))
@@ -87,11 +101,13 @@ def torch_shape(e: Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
 def to_ours(w: np.ndarray, e: Entry, shape: tuple[int, ...]) -> np.ndarray:
   if e.rope_heads:
     w = w.reshape(e.rope_heads, -1, 2, w.shape[-1]).transpose(0, 2, 1, 3).reshape(w.shape)
-  return w.T.reshape(shape) if e.n_in else w
+  return w.T.reshape(shape) if e.n_in else w.reshape(shape) if e.flat else w
 
 
 def to_torch(x: np.ndarray, e: Entry) -> np.ndarray:
   """Inverse of `to_ours` for rotate-half layouts (HF)."""
+  if e.flat:
+    x = x.reshape(-1)
   if e.n_in:
     x = x.reshape(math.prod(x.shape[:e.n_in]), -1).T
   return np.ascontiguousarray(x)
@@ -100,8 +116,10 @@ def to_torch(x: np.ndarray, e: Entry) -> np.ndarray:
 def block_entries(prefix: str, dst: tuple[str, ...], index: int | None, a: ModelArgs, *,
                   meta: bool) -> list[Entry]:
   rope = {"wq": a.n_heads, "wk": a.n_kv_heads} if meta else {}
-  return [Entry(f"{prefix}{m if meta else h}.weight", dst + ours, index, n_in,
-                rope.get(ours[1], 0)) for ours, m, h, n_in in BLOCK]
+  out = [Entry(f"{prefix}{m if meta else h}.weight", dst + ours, index, n_in,
+               rope.get(ours[1], 0)) for ours, m, h, n_in in BLOCK]
+  return out + [Entry(prefix + h, dst + ours, index, flat=ours[-1] == "bias")
+                for ours, h, flag in FAMILY if getattr(a, flag) and not meta]
 
 
 def meta_entries(a: ModelArgs) -> list[Entry]:

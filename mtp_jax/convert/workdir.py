@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import string
 import sys
 
 import jax
@@ -21,10 +22,11 @@ from mtp_jax import heads as heads_lib
 from mtp_jax import validation
 from mtp_jax import workdir as workdir_lib
 from mtp_jax.checkpoint import Checkpointer
+from mtp_jax.convert import families
 from mtp_jax.convert.layouts import (check_tensors, deepseek_entries, llama_entries, meta_entries,
                                      param_shapes, read_params, to_torch, unpad)
 from mtp_jax.convert.readers import MetaShards, Safetensors, read_json
-from mtp_jax.data import tokenizers
+from mtp_jax.data import hf_tokenizer, tokenizers
 
 # Tensor names of blocks mtp_jax does not have: a DeepSeek checkpoint holding them is refused.
 _MOE = ("mlp.experts.", "mlp.gate.weight", "shared_experts", "e_score_correction_bias")
@@ -32,26 +34,61 @@ _MLA = ("q_a_proj", "q_b_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_lay
         "kv_b_proj")
 
 
-def prepare_config(config: ml_collections.ConfigDict, spm: str, source: str):
-  """Validates `config` with the tokenizer at `spm` ("" = none: the byte tokenizer)."""
+def _tokenizer_fields(config: ml_collections.ConfigDict, path: str) -> None:
+  """data.tokenizer and its file from a tokenizer path: a SentencePiece .model, or a
+  tokenizer.json (or a folder holding one)."""
+  d = config.data
+  if os.path.isfile(path) and not path.endswith(".json"):
+    d.tokenizer, d.spm_path = "sentencepiece", os.path.abspath(path)
+  elif os.path.isfile(path) or os.path.isfile(os.path.join(path, "tokenizer.json")):
+    d.tokenizer, d.hf_tokenizer = "hf", os.path.abspath(path)
+  else:
+    raise ValueError(f"--tokenizer: no SentencePiece model or tokenizer.json at {path!r}")
+
+
+def check_coverage(tok, name: str) -> str:
+  """A warning ("" if none) for a tokenizer that cannot encode printable ASCII (code): a
+  SentencePiece model without byte_fallback, a tokenizer.json with an unknown token."""
+  missing = []
+  for ch in string.printable:
+    try:
+      tok.encode(ch)
+    except ValueError:
+      missing.append(ch)
+  if not missing:
+    return ""
+  return (f"warning: --tokenizer: {name} cannot encode {len(missing)} printable ASCII "
+          f"characters ({''.join(missing[:12])!r}...; no byte fallback): training on a text "
+          "holding one stops with 'cannot encode text in FILE'; a tokenizer with byte_fallback "
+          "covers every text")
+
+
+def prepare_config(config: ml_collections.ConfigDict, path: str, source: str):
+  """Validates `config` with the tokenizer at `path` (a SentencePiece .model, a tokenizer.json
+  or its folder; "" = none: the byte tokenizer)."""
   m = config.model
   config.data.seq_len = min(config.data.seq_len, m.max_len)
-  if spm:
-    if not os.path.isfile(spm):
-      raise ValueError(f"--tokenizer: no SentencePiece model at {spm!r}")
-    config.data.tokenizer, config.data.spm_path = "sentencepiece", os.path.abspath(spm)
+  if path:
+    _tokenizer_fields(config, path)
   try:
     validation.resolve(config)
   except ValueError as e:
     raise ValueError(f"--ckpt: the config converted from {source} is not valid: {e}") from None
-  tok = tokenizers.get_tokenizer(config.data)
+  try:
+    tok = tokenizers.get_tokenizer(config.data)
+  except ValueError as e:
+    raise ValueError(f"--tokenizer: {str(e).split(': ', 1)[-1]}") from None
   if tok.vocab_size > m.vocab_size:
-    raise ValueError(f"--tokenizer: {spm or 'the byte tokenizer'} has {tok.vocab_size} ids, more "
-                     f"than the model's vocabulary ({m.vocab_size})"
-                     + ("" if spm else f"; {source} has no tokenizer.model, name one"))
-  if not spm:
-    print(f"warning: {source} has no tokenizer.model and --tokenizer is not given: the workdir "
-          "uses the byte tokenizer", file=sys.stderr)
+    raise ValueError(f"--tokenizer: {path or 'the byte tokenizer'} has {tok.vocab_size} ids, "
+                     f"more than the model's vocabulary ({m.vocab_size})"
+                     + ("" if path else f"; {source} has no tokenizer.model or "
+                        "tokenizer.json, name one"))
+  warning = check_coverage(tok, path) if path else ""
+  if warning:
+    print(warning, file=sys.stderr)
+  if not path:
+    print(f"warning: {source} has no tokenizer.model or tokenizer.json and --tokenizer is not "
+          "given: the workdir uses the byte tokenizer", file=sys.stderr)
 
 
 def check_out(out: str) -> None:
@@ -61,16 +98,22 @@ def check_out(out: str) -> None:
 
 
 def write_workdir(out: str, config: ml_collections.ConfigDict, params) -> None:
-  """config.json (as a training run writes it), the tokenizer copied in, a params-only
-  checkpoint."""
+  """config.json (as a training run writes it), the tokenizer copied in (named relative to the
+  workdir, so the workdir can move), a params-only checkpoint."""
   check_out(out)
   os.makedirs(out, exist_ok=True)
-  if config.data.tokenizer == "sentencepiece":
+  d = config.data
+  if d.tokenizer == "sentencepiece":
     dst = os.path.abspath(os.path.join(out, workdir_lib.SPM_MODEL))
-    if os.path.abspath(config.data.spm_path) != dst:
-      shutil.copyfile(config.data.spm_path, dst)
-    config.data.spm_path = dst
+    if os.path.abspath(d.spm_path) != dst:
+      shutil.copyfile(d.spm_path, dst)
+    d.spm_path = workdir_lib.SPM_MODEL
+  if d.tokenizer == "hf":
+    hf_tokenizer.copy_files(tokenizers.get_tokenizer(d), out)
+    d.hf_tokenizer = hf_tokenizer.TOKENIZER_JSON
   workdir_lib.write_config(config, out)
+  d.spm_path = os.path.join(os.path.abspath(out), d.spm_path) if d.spm_path else ""
+  d.hf_tokenizer = os.path.join(os.path.abspath(out), d.hf_tokenizer) if d.hf_tokenizer else ""
   with Checkpointer(workdir_lib.checkpoints_dir(out), keep=1, async_save=False) as ckpt:
     ckpt.save(0, {"params": params})
     ckpt.wait()
@@ -78,12 +121,14 @@ def write_workdir(out: str, config: ml_collections.ConfigDict, params) -> None:
 
 def tokenizer_path(ckpt: str, given: str, *, parent: bool = True) -> str:
   """--tokenizer, else tokenizer.model in the checkpoint folder or (`parent`) its parent (Meta's
-  release keeps one beside its 7B_*/ folders), else "" (none)."""
+  release keeps one beside its 7B_*/ folders), else its tokenizer.json, else "" (none)."""
   if given:
     return given
   for folder in (ckpt, os.path.dirname(os.path.abspath(ckpt)))[:2 if parent else 1]:
     if os.path.isfile(os.path.join(folder, "tokenizer.model")):
       return os.path.join(folder, "tokenizer.model")
+  if os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
+    return os.path.join(ckpt, "tokenizer.json")
   return ""
 
 
@@ -125,31 +170,6 @@ def import_meta(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 0,
   return c
 
 
-def hf_llama_fields(hf: dict, m: ml_collections.ConfigDict, refused: str) -> None:
-  """config.model `m` from a HF Llama config.json `hf` (transformers 4 or 5 spelling): sizes,
-  GQA, norm eps, rope_theta, tied embeddings. What mtp_jax's blocks cannot compute (RoPE
-  scaling, biases, another activation, a head_dim of its own) is refused, `refused` saying why."""
-  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
-  if rope.get("rope_type", rope.get("type", "default")) != "default":
-    raise ValueError(f"--ckpt: config.json asks for {rope.get('rope_type', rope.get('type'))!r} "
-                     "RoPE scaling, which mtp_jax's RoPE does not have")
-  if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
-    raise ValueError(f"--ckpt: config.json asks for biases or a non-SiLU MLP; {refused}")
-  try:
-    m.d_model, m.n_layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
-    m.n_heads, m.d_ff = int(hf["num_attention_heads"]), int(hf["intermediate_size"])
-    m.vocab_size = int(hf["vocab_size"])
-  except KeyError as e:
-    raise ValueError(f"--ckpt: config.json has no {e.args[0]!r}") from None
-  if hf.get("head_dim") not in (None, m.d_model // m.n_heads):
-    raise ValueError(f"--ckpt: config.json head_dim {hf['head_dim']} != hidden_size / "
-                     "num_attention_heads, which mtp_jax's attention assumes")
-  m.n_kv_heads = int(hf.get("num_key_value_heads") or m.n_heads)
-  m.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
-  m.rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-  m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
-
-
 def import_deepseek(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 0,
                     dtype: str = "float32") -> ml_collections.ConfigDict:
   """Dense Llama + DeepSeek-V3 MTP layers in HF safetensors layout -> workdir `out`."""
@@ -166,7 +186,7 @@ def import_deepseek(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 
       if any(s in key for s in patterns):
         raise ValueError(f"--ckpt: tensor {key!r} belongs to {what} block; {dense_only}")
   c = config_lib.base_config()
-  hf_llama_fields(hf, c.model, dense_only)
+  families.model_fields(hf, c.model, "llama")
   m = c.model
   m.n_future = 1 + int(hf.get("num_nextn_predict_layers") or 0)
   m.max_len = max_len or int(hf.get("max_position_embeddings", 4096))
@@ -192,8 +212,9 @@ def import_deepseek(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 
 
 
 def export_hf(workdir: str, out: str) -> dict:
-  """Trunk + head 1 of a workdir as HF LlamaForCausalLM files: config.json, model.safetensors
-  (float32) and tokenizer.model when the workdir has a SentencePiece model. numpy only."""
+  """Trunk + head 1 of a workdir as HF files of its model.family (LlamaForCausalLM,
+  Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM): config.json, model.safetensors
+  (float32) and the tokenizer's file(s). numpy only."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
   loaded = workdir_lib.load_workdir(workdir)
@@ -206,16 +227,14 @@ def export_hf(workdir: str, out: str) -> dict:
     tensors[e.src] = to_torch(np.asarray(unpad(x, e), np.float32), e)  # the real vocab_size
   del flat
   hf = {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
       "hidden_size": a.d_model, "intermediate_size": a.d_ff,
       "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
       "head_dim": a.head_dim,
       # The trunk, then head 1's own block if the kind gives it one (as llama_entries reads).
       "num_hidden_layers": a.n_trunk + len(heads_lib.KINDS[a.head_kind].head_params(1)),
-      "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "rope_scaling": None,
-      "vocab_size": a.vocab_size, "max_position_embeddings": a.max_len,
-      "tie_word_embeddings": a.tie_embeddings, "hidden_act": "silu",
-      "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+      "rms_norm_eps": a.norm_eps, "vocab_size": a.vocab_size,
+      "max_position_embeddings": a.max_len, "tie_word_embeddings": a.tie_embeddings,
+      "hidden_act": "silu", "torch_dtype": "float32", **families.export_config(a, a.family),
   }
   for name in ("bos", "eos", "pad"):  # a test-sized vocabulary may not reach the byte ids
     i = getattr(tok, f"{name}_id")
@@ -228,4 +247,8 @@ def export_hf(workdir: str, out: str) -> dict:
     json.dump(hf, f, indent=2)
   if isinstance(tok, tokenizers.SentencePieceTokenizer):
     shutil.copyfile(tok.path, os.path.join(out, "tokenizer.model"))
+  if isinstance(tok, tokenizers.HFTokenizer):
+    hf_tokenizer.copy_files(tok, out)
+    if not tok.has_bos:
+      hf["bos_token_id"] = None
   return hf

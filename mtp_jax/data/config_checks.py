@@ -9,7 +9,7 @@ from typing import Callable
 
 import ml_collections
 
-TOKENIZERS = ("byte", "sentencepiece")
+TOKENIZERS = ("byte", "sentencepiece", "hf")
 CORPORA = ("python_code", "text_folder", "induction", "polynomial", "tfds", "array_record")
 TASK_CORPORA = ("induction", "polynomial")  # synthetic, mtp_jax/data/tasks.py
 POLY_OPS = "+-*o"  # polynomial task: add, negate, multiply, compose
@@ -105,6 +105,9 @@ def validate_data(c: ml_collections.ConfigDict, _fail: Fail, _choice) -> None:
   if d.tokenizer == "sentencepiece" and not d.spm_path:
     _fail("data.spm_path", "must name a SentencePiece model file when data.tokenizer is "
           "'sentencepiece'")
+  if d.tokenizer == "hf" and not d.hf_tokenizer:
+    _fail("data.hf_tokenizer", "must name a tokenizer.json file (or its folder) when "
+          "data.tokenizer is 'hf'")
   if d.corpus == "text_folder" and not d.folder:
     _fail("data.folder", "must name a folder when data.corpus is 'text_folder'")
   if not 0 <= d.val_percent < 100:

@@ -185,12 +185,12 @@ def load_metadata(files: list[str], field: str) -> dict:
 def check_tokenizer(meta: dict, data_config, tokenizer, folder: str) -> None:
   """One line when the config's tokenizer is not the one the shards were written with."""
   want = meta["tokenizer"]
-  path = data_config.spm_path if data_config.tokenizer == "sentencepiece" else ""
-  have = tokenizer_record(data_config.tokenizer, tokenizer, path)
+  have = tokenizer_record(data_config.tokenizer, tokenizer,
+                          getattr(tokenizer, "path", ""))
   keys = ("kind", "sha256", "vocab_size", "pad_id", "bos_id", "eos_id")
   if any(want[k] != have[k] for k in keys):
     desc = lambda t: (f"{t['kind']}" + (f" {t['path']} (sha256 {t['sha256'][:12]})"
-                                        if t["kind"] == "sentencepiece" else "")
+                                        if t["kind"] != "byte" else "")
                       + f", vocab {t['vocab_size']}")
     raise ValueError(f"config.data.tokenizer: the shards in {folder} were written with "
                      f"{desc(want)}, the config has {desc(have)}; set data.tokenizer/"

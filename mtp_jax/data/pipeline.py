@@ -93,7 +93,9 @@ class _Tokenize:
                                    add_eos=True)
     except ValueError as e:
       path = record["path"] if "path" in record else f"a record's {self.key}"
-      raise ValueError(f"{path.decode() if isinstance(path, bytes) else path}: {e}") from None
+      path = path.decode() if isinstance(path, bytes) else path
+      reason = str(e).removeprefix(tokenizers.CANNOT_ENCODE)  # the file, named as a file
+      raise ValueError(f"cannot encode text in {path}: {reason}") from None
 
 
 class _PackIterator(grain.DatasetIterator):

@@ -1,7 +1,7 @@
 """Tokenize a corpus once into ArrayRecord shards for `data.corpus = "array_record"`.
 
   python -m mtp_jax.data.prepare --source tfds:NAME|folder:DIR|jsonl:FILE|hf:NAME[:CONFIG] \
-      [--text_key KEY] --tokenizer byte|spm:PATH --out DIR [--shards N] [--workers P]
+      [--text_key KEY] --tokenizer byte|spm:PATH|hf:PATH --out DIR [--shards N] [--workers P]
 
 Sources: `tfds:NAME` a prepared tfds dataset ("name/config:version", --split, --tfds_data_dir;
 read from its ArrayRecord files, nothing downloaded), `folder:DIR` the UTF-8 files under DIR that
@@ -34,14 +34,20 @@ from mtp_jax.data import tokenizers
 from mtp_jax.data.sources import open_source
 
 def open_tokenizer(spec: str):
-  """(kind, tokenizer, model path) for `--tokenizer byte|spm:PATH`."""
+  """(kind, tokenizer, model path) for `--tokenizer byte|spm:PATH|hf:PATH`."""
   if spec == "byte":
     return "byte", tokenizers.ByteTokenizer(), ""
   if spec.startswith("spm:") and os.path.isfile(os.path.expanduser(spec[4:])):
     path = os.path.abspath(os.path.expanduser(spec[4:]))
     return "sentencepiece", tokenizers.SentencePieceTokenizer(path), path
+  if spec.startswith("hf:"):
+    try:
+      tok = tokenizers.HFTokenizer(spec[3:])
+    except ValueError as e:
+      raise ValueError(f"--tokenizer: {str(e).split(': ', 1)[1]}") from None
+    return "hf", tok, os.path.abspath(tok.path)
   raise ValueError(f"--tokenizer: got {spec!r}, allowed: byte, spm:PATH (an existing "
-                   "SentencePiece model file)")
+                   "SentencePiece model file), hf:PATH (a tokenizer.json or its folder)")
 
 
 _WORKER: dict = {}
@@ -174,14 +180,17 @@ def main(argv) -> None:
         f"{len(meta['shards'])} shards to {f.out} ({time.time() - start:.1f}s); train with "
         f"--config.data.corpus=array_record --config.data.files='{f.out}/tokens-*.array_record'"
         + (f" --config.data.tokenizer=sentencepiece --config.data.spm_path={t['path']}"
-           if t["kind"] == "sentencepiece" else ""))
+           if t["kind"] == "sentencepiece" else "")
+        + (f" --config.data.tokenizer=hf --config.data.hf_tokenizer={t['path']}"
+           if t["kind"] == "hf" else ""))
 
 
 def define_flags() -> None:
   from absl import flags  # pylint: disable=import-outside-toplevel
   flags.DEFINE_string("source", None,
                       "tfds:NAME, folder:DIR, jsonl:FILE, hf:NAME[:CONFIG] or hf:DIR")
-  flags.DEFINE_string("tokenizer", "byte", "byte or spm:PATH (a SentencePiece model)")
+  flags.DEFINE_string("tokenizer", "byte", "byte, spm:PATH (a SentencePiece model) or "
+                      "hf:PATH (a Hugging Face tokenizer.json or its folder)")
   flags.DEFINE_string("out", None, "folder to write (must not exist or be empty)")
   flags.DEFINE_integer("shards", 8, "ArrayRecord files to write")
   flags.DEFINE_integer("workers", max(1, (os.cpu_count() or 2) - 1),

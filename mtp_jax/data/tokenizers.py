@@ -1,4 +1,5 @@
-"""Tokenizers: raw UTF-8 bytes by default, SentencePiece trained locally from a corpus.
+"""Tokenizers: raw UTF-8 bytes by default, SentencePiece trained locally from a corpus, or a
+Hugging Face tokenizer.json (`data.tokenizer = "hf"`, data/hf_tokenizer.py).
 
 Both share one small interface (`encode`, `decode`, `pad_id`, `bos_id`, `eos_id`, `vocab_size`)
 so the pipeline and the decoder never ask which one they hold. Bytes are the default because they
@@ -24,6 +25,8 @@ import sentencepiece as spm
 
 from mtp_jax import config as config_lib
 from mtp_jax.data import config_checks
+from mtp_jax.data.hf_tokenizer import CANNOT_ENCODE, HFTokenizer
+from mtp_jax.data.hf_tokenizer import resolve as hf_resolve
 
 
 class Tokenizer(Protocol):
@@ -46,8 +49,8 @@ def _utf8(text: str) -> bytes:
   try:
     return text.encode("utf-8")
   except UnicodeEncodeError as e:
-    raise ValueError(f"text the tokenizer cannot encode: {text[e.start:e.end]!r} at character "
-                     f"{e.start} is not valid Unicode ({e.reason})") from None
+    raise ValueError(f"{CANNOT_ENCODE}{text[e.start:e.end]!r} at character {e.start} is not "
+                     f"valid Unicode ({e.reason})") from None
 
 
 def _with_specials(ids_T: np.ndarray, bos_id: int, eos_id: int, add_bos: bool,
@@ -113,8 +116,9 @@ class SentencePieceTokenizer:
     if self.unk_id >= 0 and (ids_T == self.unk_id).any():
       pieces = self._sp.encode(text, out_type=str)
       first = next(p for p, i in zip(pieces, ids_T) if i == self.unk_id)
-      raise ValueError(f"text the tokenizer cannot encode: {first!r} maps to the unknown piece "
-                       f"of {self.path!r} (train with byte_fallback=True to cover every text)")
+      raise ValueError(f"{CANNOT_ENCODE}{first!r} maps to the unknown piece of {self.path!r} "
+                       "(a model without byte_fallback; train with byte_fallback=True to cover "
+                       "every text)")
     return _with_specials(ids_T, self.bos_id, self.eos_id, add_bos, add_eos)
 
   def decode(self, ids) -> str:
@@ -123,18 +127,31 @@ class SentencePieceTokenizer:
     return self._sp.decode(ids_T[~self._special_V[ids_T]].tolist())
 
 
-def get_tokenizer(data_config) -> ByteTokenizer | SentencePieceTokenizer:
-  """The tokenizer `data.tokenizer` names ("byte" or "sentencepiece" with `data.spm_path`)."""
+def tokenizer_file(data_config) -> str:
+  """The file the config's tokenizer reads ("" for bytes)."""
+  if data_config.tokenizer == "sentencepiece":
+    return data_config.spm_path
+  if data_config.tokenizer == "hf":
+    return hf_resolve(data_config.hf_tokenizer)
+  return ""
+
+
+def get_tokenizer(data_config) -> ByteTokenizer | SentencePieceTokenizer | HFTokenizer:
+  """The tokenizer `data.tokenizer` names ("byte", "sentencepiece" with `data.spm_path`, "hf"
+  with `data.hf_tokenizer`)."""
   kind = data_config.tokenizer
   if kind == "byte":
     return ByteTokenizer()
+  if kind == "hf":
+    return HFTokenizer(data_config.hf_tokenizer)
   if kind == "sentencepiece":
     path = data_config.spm_path
     if not path or not os.path.isfile(path):
       raise ValueError(f"config.data.spm_path: no SentencePiece model file at {path!r}; train one "
                        "with `python -m mtp_jax.data.tokenizers train --out PATH.model`")
     return SentencePieceTokenizer(path)
-  raise ValueError(f"config.data.tokenizer: got {kind!r}, allowed: 'byte', 'sentencepiece'")
+  raise ValueError(f"config.data.tokenizer: got {kind!r}, allowed: 'byte', 'sentencepiece', "
+                   "'hf'")
 
 
 def _training_chunks(texts, max_bytes: int) -> Iterator[str]:

@@ -294,13 +294,15 @@ def test_sampled_rows_and_batches_differ(workdir):
   assert len(set(rows)) == 4, rows  # same prompt: every row and batch has its own stream
 
 
-def test_help_prints_the_flags():
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  for flag in ("--help", "-h", "--helpfull"):
-    p = subprocess.run([sys.executable, "-m", "mtp_jax.evaluate", flag], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and "--score_file" in p.stdout and "--samples_out" in p.stdout, (
-        flag, p.stderr[-500:])
+def test_help_prints_the_flags(capsys):
+  p = subprocess.run([sys.executable, "-m", "mtp_jax.evaluate", "--help"], cwd=ROOT,
+                     env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
+                     capture_output=True, text=True, timeout=120)
+  assert p.returncode == 0 and "--score_file" in p.stdout and "--samples_out" in p.stdout, p.stderr
+  for flag in ("-h", "--helpfull"):
+    with pytest.raises(SystemExit) as e:
+      evaluate.main(["evaluate", flag])
+    assert e.value.code == 0 and "--allow_unconfined" in capsys.readouterr().out, flag
 
 
 def test_refuses_to_run_unconfined_in_one_line(tmp_path, capsys, monkeypatch):

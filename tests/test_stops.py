@@ -98,3 +98,35 @@ def test_other_tokenizers_keep_the_post_hoc_cut_only():
   class Other:
     vocab_size = 10
   assert stops.token_bytes(Other(), 10) is None
+
+
+@pytest.fixture(scope="module")
+def byte_model(make_config, make_model):
+  c = make_config("parallel", n_future=2)
+  c.model.vocab_size, c.model.max_len = TOK.vocab_size, 64
+  model, params = make_model(c)
+  return model.args, params
+
+
+@pytest.mark.parametrize("k, temperature", [(1, 0.0), (2, 0.0), (2, 1.0)])
+def test_decode_stops_rows_early_with_the_same_cut(byte_model, k, temperature):
+  from mtp_jax import decode  # pylint: disable=import-outside-toplevel
+  args, params = byte_model
+  prompts = [TOK.encode(t) for t in ("def f(x):\n", "class A:\n", "x = [", "# a\n")]
+  kw = dict(max_new_tokens=40, k=k, eos_id=TOK.eos_id, pad_id=TOK.pad_id,
+            temperature=temperature, seed=5)
+  full = decode.decode(params, args, prompts, **kw)
+  texts = [TOK.decode(full.tokens[b, :full.lengths[b]]) for b in range(len(prompts))]
+  # stop strings the random model does write: two ASCII characters from the middle of rows 0, 1
+  stop_set = []
+  for t in texts[:2]:
+    pairs = [t[i:i + 2] for i in range(5, len(t) - 2) if t[i:i + 2].isascii()]
+    assert pairs, t
+    stop_set.append(pairs[0])
+  m = stops.build(tuple(stop_set), *TABLE)
+  cut = decode.decode(params, args, prompts, stops=m, **kw)
+  for b in range(len(prompts)):
+    short = TOK.decode(cut.tokens[b, :cut.lengths[b]])
+    assert code_tasks.truncate(short, stop_set) == code_tasks.truncate(texts[b], stop_set)
+    assert np.array_equal(cut.tokens[b, :cut.lengths[b]], full.tokens[b, :cut.lengths[b]])
+  assert (cut.lengths[:2] < full.lengths[:2]).all()  # rows 0 and 1 stopped early

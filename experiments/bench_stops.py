@@ -37,9 +37,9 @@ def main():
   a = ap.parse_args()
   loaded = load_workdir(a.workdir)
   tok = loaded.tokenizer
-  problems = code_tasks.humaneval_problems()
-  problems = [p for p in problems
-              if len(tok.encode(p.prompt)) + a.max_new_tokens <= evaluate.model_args(loaded).max_len][:a.limit]
+  max_len = evaluate.model_args(loaded).max_len
+  problems = [p for p in code_tasks.humaneval_problems()
+              if len(tok.encode(p.prompt)) + a.max_new_tokens <= max_len][:a.limit]
   prompts = [tok.encode(p.prompt) for p in problems]
   runs = {}
   for name, stops in (("post_hoc", ()), ("in_loop", code_tasks.HUMANEVAL_STOPS)):

@@ -117,3 +117,13 @@ def machine_info(accelerator: bool = True) -> dict:
     info["accelerator"] = {"platform": devices[0].platform,
                            "device_kind": devices[0].device_kind, "count": len(devices)}
   return info
+
+
+def stamp(record):
+  """`record` (a dict, or a list of dicts: one bench record each) with "machine":
+  machine_info() added to every dict that lacks it; returned for json.dump."""
+  info = machine_info()
+  for r in [record] if isinstance(record, dict) else record:
+    if isinstance(r, dict):
+      r.setdefault("machine", info)
+  return record

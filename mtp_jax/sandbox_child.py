@@ -1,4 +1,4 @@
-"""The first code of a sandboxed child (`python -I -S -c <this file's text> CONFIG`); never imported.
+"""The first code of a sandboxed child (`python -I -S -c <this file's text> CONFIG`), not imported.
 
 In order: rlimits; the marker nonce read from a pipe; when the evaluator is root, setgroups,
 setgid, setuid to the program's own unprivileged uid (the Python installation, which that uid

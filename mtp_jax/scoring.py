@@ -173,7 +173,8 @@ class SamplesWriter:
   written (and flushed) batch by batch while generating."""
 
   def __init__(self, path: str | None):
-    self.f = open(path, "w", encoding="utf-8") if path else None  # pylint: disable=consider-using-with
+    # pylint: disable-next=consider-using-with
+    self.f = open(path, "w", encoding="utf-8") if path else None
 
   def write(self, task_id: str, completion: str):
     if self.f is not None:

@@ -2,11 +2,11 @@
 against decoding max_new_tokens and cutting afterwards (the same completions, checked here).
 
     python experiments/bench_stops.py --workdir DIR --limit 20 --max_new_tokens 256 \\
-        [--mode speculative] [--out experiments/results/bench_stops.json]
+        [--mode speculative] [--temperature 0.8 --top_p 0.95] [--out FILE.json]
 
 Prints JSON: per problem the tokens decoded both ways, their means, the decode seconds of each
 (compilation excluded; both runs compile once each), whether every completion after the cut is
-identical, and the machine.
+identical (sampled rows too: each row's stream is keyed by its position), and the machine.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def main():
   ap.add_argument("--max_new_tokens", type=int, default=256)
   ap.add_argument("--mode", default="speculative", choices=("speculative", "greedy"))
   ap.add_argument("--batch_size", type=int, default=4)
+  ap.add_argument("--temperature", type=float, default=0.0)
+  ap.add_argument("--top_p", type=float, default=1.0)
   ap.add_argument("--out", default="")
   a = ap.parse_args()
   loaded = load_workdir(a.workdir)
@@ -44,7 +46,7 @@ def main():
   runs = {}
   for name, stops in (("post_hoc", ()), ("in_loop", code_tasks.HUMANEVAL_STOPS)):
     gen = evaluate.generate_completions(
-        loaded, prompts, num_samples=1, temperature=0.0, top_p=1.0, top_k=0, seed=0,
+        loaded, prompts, num_samples=1, temperature=a.temperature, top_p=a.top_p, top_k=0, seed=0,
         mode=a.mode, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, stops=stops)
     runs[name] = {"tokens": [len(t) for t in gen.tokens], "seconds": gen.seconds,
                   "completions": [code_tasks.truncate(tok.decode(t), p.stops)
@@ -53,6 +55,7 @@ def main():
   result = {
       "workdir": os.path.abspath(a.workdir), "step": getattr(loaded, "step", None),
       "mode": a.mode, "max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size,
+      "temperature": a.temperature, "top_p": a.top_p,
       "problems": [p.task_id for p in problems],
       "tokens_post_hoc": before, "tokens_in_loop": after,
       "mean_tokens_post_hoc": sum(before) / len(before),

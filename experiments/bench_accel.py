@@ -276,7 +276,7 @@ def main(argv=None) -> dict:
   record["decode"] = {"params_from": params_from, "note": note,
                       "runs": bench_decode(params, model_args, prompts_for, max_new, pad_id,
                                            args.decode_reps)}
-  text = json.dumps(record, indent=2)
+  text = json.dumps(runtime.stamp(record), indent=2)
   print(text)
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

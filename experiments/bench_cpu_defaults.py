@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from mtp_jax import runtime
+
 # name -> environment changes; "none" is what a user got before mtp_jax.runtime.
 ENVS = {
     "none": {},
@@ -144,7 +146,7 @@ def main():
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-      json.dump(records, f, indent=2)
+      json.dump(runtime.stamp(records), f, indent=2)
 
 
 if __name__ == "__main__":

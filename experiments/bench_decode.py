@@ -187,7 +187,7 @@ def main():
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-      json.dump(records, f, indent=2)
+      json.dump(runtime.stamp(records), f, indent=2)
   png_dir = args.png_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)
   if png_dir:
     plots(records, png_dir)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import config as config_lib
+from mtp_jax import runtime
 from mtp_jax import validation
 from mtp_jax.loss import model_loss, mtp_loss, naive_mtp_loss
 from mtp_jax.model import build_model, init_params, param_count
@@ -176,7 +177,7 @@ def main(argv=None):
   for r in records:
     r["config"] = {**(LOSS if r["what"] == "loss" else MODEL), **common}
   with open(args.json, "w") as f:
-    json.dump(records, f, indent=1)
+    json.dump(runtime.stamp(records), f, indent=1)
   print(table(records))
   if args.png:
     plot(records, args.png)

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtp_jax import code_tasks, sandbox  # noqa: E402
+from mtp_jax import code_tasks, runtime, sandbox  # noqa: E402
 
 
 def main():
@@ -40,7 +40,7 @@ def main():
             "programs_per_s_median": round(statistics.median(rates), 1),
             "all_passed": all(p == len(programs) for p in passed),
             "sandbox": sandbox.confinement(), "python": platform.python_version()}
-  text = json.dumps(result, indent=1)
+  text = json.dumps(runtime.stamp(result), indent=1)
   print(text)
   if a.out:
     with open(a.out, "w") as f:

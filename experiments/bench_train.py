@@ -264,7 +264,7 @@ def main():
     if args.json:
       os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
       with open(args.json, "w") as f:
-        json.dump(records, f, indent=2)
+        json.dump(runtime.stamp(records), f, indent=2)
     return
   runs = {v: setup(args.config, *v, overrides) for v in VARIANTS}
   for _ in range(args.warmup):
@@ -300,7 +300,7 @@ def main():
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-      json.dump(records, f, indent=2)
+      json.dump(runtime.stamp(records), f, indent=2)
 
 
 if __name__ == "__main__":

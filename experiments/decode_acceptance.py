@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import heldout_prompts  # noqa: E402
 
 from mtp_jax import decode as decode_lib  # noqa: E402
+from mtp_jax import runtime  # noqa: E402
 from mtp_jax.workdir import load_workdir  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def main():
     print(json.dumps(run), flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(out, f, indent=2)
+      json.dump(runtime.stamp(out), f, indent=2)
 
 
 if __name__ == "__main__":

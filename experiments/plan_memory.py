@@ -221,7 +221,9 @@ def main(argv=None) -> int:
   print(report(records, args.hbm_gib, args.config), flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"config": args.config, "overrides": args.set, "records": records}, f, indent=2)
+      from mtp_jax import runtime  # pylint: disable=import-outside-toplevel
+      json.dump(runtime.stamp({"config": args.config, "overrides": args.set,
+                               "records": records}), f, indent=2)
   return 0
 
 

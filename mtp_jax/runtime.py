@@ -88,3 +88,42 @@ def apply_cpu_defaults(reexec: bool = True) -> dict:
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
   return done
+
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def machine_info(accelerator: bool = True) -> dict:
+  """The machine a figure was measured on, for every bench record: CPU model, the ISA flags
+  that change XLA:CPU's kernels (AVX2, AVX-512, AMX), core count, and the accelerator JAX runs
+  on (platform, device kind, count; starts JAX's backend unless accelerator=False)."""
+  import platform  # pylint: disable=import-outside-toplevel
+  model, flags_ = platform.processor() or platform.machine(), set()
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+          model = value.strip()
+        elif key.strip() in ("flags", "Features") and not flags_:
+          flags_ = set(value.split())
+  except OSError:
+    pass
+  info = {"cpu_model": model, "isa": {f: f in flags_ for f in ISA_FLAGS},
+          "cpu_count": os.cpu_count(), "arch": platform.machine()}
+  if accelerator:
+    import jax  # pylint: disable=import-outside-toplevel
+    devices = jax.devices()
+    info["accelerator"] = {"platform": devices[0].platform,
+                           "device_kind": devices[0].device_kind, "count": len(devices)}
+  return info
+
+
+def stamp(record):
+  """`record` (a dict, or a list of dicts: one bench record each) with "machine":
+  machine_info() added to every dict that lacks it; returned for json.dump."""
+  info = machine_info()
+  for r in [record] if isinstance(record, dict) else record:
+    if isinstance(r, dict):
+      r.setdefault("machine", info)
+  return record

@@ -56,8 +56,10 @@ def probs(logits_xV, sp: Params) -> jax.Array:
 
   def truncate(z_xV):
     desc_xV = -jnp.sort(-z_xV, axis=-1)
-    n_x = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)  # top-k: the first n sorted
-    in_k_xV = jnp.arange(V) < n_x[..., None]
+    n_x = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)  # top-k: the first n sorted,
+    kth_x1 = jnp.take_along_axis(  # and ties with the
+        desc_xV, jnp.broadcast_to(n_x - 1, desc_xV.shape[:-1])[..., None], axis=-1)
+    in_k_xV = desc_xV >= kth_x1  # n-th, whose mass counts in the nucleus below
     sorted_p_xV = jax.nn.softmax(jnp.where(in_k_xV, desc_xV, -jnp.inf), axis=-1)
     # Nucleus on the renormalised top-k: keep while the mass before a token is < top_p.
     keep_xV = in_k_xV & ((jnp.cumsum(sorted_p_xV, axis=-1) - sorted_p_xV < sp.top_p)

@@ -12,20 +12,28 @@ limits:
   whole process group gets SIGKILL (`os.killpg`); the group is also killed after a normal exit;
 - `resource.setrlimit` in the child before the program starts: CPU seconds, address space, file
   size, open files, no core dumps (and RLIMIT_NPROC, which only binds for non-root users);
-- process count: RLIMIT_NPROC counts every process of the user and is not enforced for root,
-  so a seccomp filter (installed in the child before the program, inherited by anything it
-  could start) refuses fork, vfork, clone without CLONE_THREAD, clone3 and execve: the program
-  is one process (threads are allowed, bounded by the address-space limit). A fork loop gets
-  EAGAIN at its first fork, exactly what RLIMIT_NPROC would give it;
-- filesystem and signals: where the kernel has Landlock (Linux 5.13+), writes of any kind are
-  allowed only beneath the temporary directory, TCP bind/connect are refused (ABI 4+), and the
-  program cannot signal processes outside its sandbox (ABI 6+), which matters when the evaluator
-  runs as root. `confinement()` says which of these this machine enforces;
+- its own unprivileged uid and gid when the evaluator is root (setgroups, setgid, setuid in the
+  child before the program runs; one uid per program in flight, its directory owned by it);
+- seccomp (installed in the child before the program, inherited by anything it could start):
+  no fork, vfork, clone without CLONE_THREAD, clone3 or exec (a fork loop gets EAGAIN at its
+  first fork; threads are allowed, bounded by the address-space limit); no socket or
+  socketpair of any family (no TCP, UDP, unix or raw sockets); no ptrace, process_vm_* or
+  io_uring;
+- Landlock (Linux 5.13+): reads only beneath the Python installation the child runs, the
+  directories of the shared libraries it loaded, /dev/null, /dev/urandom and its own directory
+  (no secret elsewhere can be read, /proc included); writes only beneath its own directory; no
+  TCP bind/connect (ABI 4+, on top of seccomp); no signals to processes outside its sandbox or
+  abstract unix sockets (ABI 6+). `confinement()` says what this machine enforces and
+  `check_confinement()` is the refusal an entry point prints where some of it is missing;
 - stdin is /dev/null, stdout is discarded, stderr goes to an unlinked file of which the last line
   is read; the environment holds PATH, LANG, HOME and TMPDIR only.
 
-A sample passes when the program exits 0. `os._exit(0)` inside a program would pass it: the
-threat model is a model's mistakes, not an adversary who knows the harness.
+A sample passes when the program exits 0 and the harness's end-of-program marker arrived: after
+the program's last statement ran, the harness writes a random nonce (given to the child through a
+pipe it reads and closes before the program starts) to a second pipe. `os._exit(0)`, `os.abort()`
+or a signal before the asserts fail. The program shares an interpreter with the harness, so a
+program written against this harness could still find the nonce in memory: the threat model is a
+model's mistakes and crude escapes, not an adversary who read this file.
 """
 
 from __future__ import annotations
@@ -42,85 +50,23 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 # seccomp: (AUDIT_ARCH, clone, clone3, syscalls refused with EAGAIN, refused with EPERM) by arch.
 _SECCOMP_ARCH = {
-    "x86_64": (0xC000003E, 56, 435, (57, 58), (59, 322)),  # fork vfork; execve execveat
-    "aarch64": (0xC00000B7, 220, 435, (), (221, 281)),
+    # fork vfork; execve execveat, socket socketpair, ptrace, process_vm_readv/writev, io_uring
+    "x86_64": (0xC000003E, 56, 435, (57, 58), (59, 322, 41, 53, 101, 310, 311, 425, 426, 427)),
+    "aarch64": (0xC00000B7, 220, 435, (), (221, 281, 198, 199, 117, 270, 271, 425, 426, 427)),
 }
-
-# The child's first code: limits, seccomp, Landlock, then the program in a fresh namespace.
-_BOOT = r'''
-import json, os, resource, sys
-cfg = json.loads(sys.argv[1])
-for name, soft, hard in cfg["rlimits"]:
-  resource.setrlimit(getattr(resource, name), (soft, hard))
-if cfg["seccomp"] or cfg["landlock"]:
-  import ctypes, struct
-  libc = ctypes.CDLL(None, use_errno=True)
-  def check(ok, what):
-    if not ok:
-      sys.stderr.write("\nsandbox setup failed: %s: %s\n" % (what, os.strerror(ctypes.get_errno())))
-      os._exit(120)
-  check(libc.prctl(38, 1, 0, 0, 0) == 0, "PR_SET_NO_NEW_PRIVS")
-  if cfg["landlock"]:
-    abi, root = cfg["landlock"], cfg["dir"]
-    fs = 0x1ff2 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)
-    attr = struct.pack("=QQQ", fs, 0x3 if abi >= 4 else 0, 0x3 if abi >= 6 else 0)
-    attr = attr[:8 if abi < 4 else 16 if abi < 6 else 24]
-    buf = ctypes.create_string_buffer(attr, len(attr))
-    rfd = libc.syscall(444, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
-    check(rfd >= 0, "landlock_create_ruleset")
-    dfd = os.open(root, os.O_PATH | os.O_DIRECTORY)
-    rule = ctypes.create_string_buffer(struct.pack("=Qi", fs, dfd), 12)
-    check(libc.syscall(445, rfd, 1, rule, ctypes.c_uint32(0)) == 0, "landlock_add_rule")
-    check(libc.syscall(446, rfd, ctypes.c_uint32(0)) == 0, "landlock_restrict_self")
-    os.close(dfd); os.close(rfd)
-  if cfg["seccomp"]:
-    arch, clone, clone3, eagain, eperm = cfg["seccomp"]
-    ret = lambda v: (0x06, 0, 0, v)
-    allow, kill = 0x7FFF0000, 0x80000000
-    prog = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), ret(kill), (0x20, 0, 0, 0),
-            (0x35, 0, 1, 0x40000000), ret(0x50000 | 1), (0x15, 0, 1, clone3), ret(0x50000 | 38)]
-    for nr in eagain:
-      prog += [(0x15, 0, 1, nr), ret(0x50000 | 11)]
-    for nr in eperm:
-      prog += [(0x15, 0, 1, nr), ret(0x50000 | 1)]
-    prog += [(0x15, 0, 4, clone), (0x20, 0, 0, 16), (0x45, 0, 1, 0x10000), ret(allow),
-             ret(0x50000 | 11), ret(allow)]
-    filt = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *i) for i in prog))
-    fprog = struct.pack("=HxxxxxxQ", len(prog), ctypes.addressof(filt))
-    check(libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0, "seccomp")
-  del libc, check
-  for m in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
-    del sys.modules[m]
-
-def run(path):
-  with open(path, encoding="utf-8") as f:
-    src = f.read()
-  g = {"__name__": "__main__", "__builtins__": __builtins__}
-  try:
-    exec(compile(src, "program.py", "exec"), g)
-  except BaseException as e:  # SystemExit too: a program that exits skips its own tests
-    g.clear()  # frees what a MemoryError program holds before the traceback is formatted
-    line = ""
-    try:
-      import traceback
-      frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == "program.py"]
-      if frames:
-        n = frames[-1].lineno
-        line = " (line %d: %s)" % (n, src.splitlines()[n - 1].strip()[:200])
-      msg = traceback.format_exception_only(type(e), e)[-1].strip()
-    except BaseException:
-      msg = type(e).__name__
-    sys.stderr.write("\n%s%s\n" % (msg[:500], line))
-    sys.stderr.flush()
-    os._exit(1)
-  sys.stdout.flush()
-  os._exit(0)
-run(sys.argv[2])
-'''
+_BOOT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+with open(_BOOT_PATH, encoding="utf-8") as _f:
+  _BOOT = _f.read()
+# Unprivileged uids/gids for programs when the evaluator is root: one per program in flight, so
+# programs cannot signal, ptrace or read each other even by plain Unix permissions.
+UID_BASE, UID_COUNT = 1_600_000_000, 4096
+_uid_lock = threading.Lock()
+_uids_in_use: set[int] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,30 +107,73 @@ _CONFINEMENT: dict | None = None
 
 
 def confinement() -> dict:
-  """What this machine enforces beyond rlimits: the seccomp process filter (Linux x86_64 and
-  aarch64) and the Landlock ABI (0 = none: file writes are then only bounded by the user's own
-  permissions)."""
+  """What this machine enforces beyond rlimits: the seccomp filter (Linux x86_64 and aarch64:
+  no fork, exec or sockets), the Landlock ABI (0 = none; 1+: reads and writes confined; 4+: TCP
+  too; 6+: signals), and whether programs run under their own unprivileged uid (evaluator is
+  root)."""
   global _CONFINEMENT
   if _CONFINEMENT is None:
     linux = platform.system() == "Linux"
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
     _CONFINEMENT = {"seccomp": linux and platform.machine() in _SECCOMP_ARCH,
-                    "landlock_abi": _landlock_abi(), "root": os.geteuid() == 0}
+                    "landlock_abi": _landlock_abi(), "root": root, "own_uid": root}
   return dict(_CONFINEMENT)
 
 
-def _child_config(limits: Limits, workdir: str) -> str:
+def missing_confinement() -> list[str]:
+  """What this machine lacks for the full guarantees (empty when every harm is refused): seccomp,
+  Landlock, and, when programs share the evaluator's uid, Landlock's signal scoping (ABI 6)."""
+  c = confinement()
+  out = []
+  if not c["seccomp"]:
+    out.append("seccomp (Linux x86_64/aarch64)")
+  if not c["landlock_abi"]:
+    out.append("Landlock (Linux 5.13+ with landlock in the LSM list)")
+  elif not c["own_uid"] and c["landlock_abi"] < 6:
+    out.append("Landlock ABI 6 signal scoping (or an evaluator running as root)")
+  return out
+
+
+def check_confinement(allow_unconfined: bool) -> str | None:
+  """None when programs may run here; else the one-line error an entry point prints."""
+  missing = missing_confinement()
+  if not missing or allow_unconfined:
+    return None
+  return ("error: this machine cannot confine generated programs (no " + ", no ".join(missing) +
+          "); pass --allow_unconfined to run them anyway")
+
+
+def _child_config(limits: Limits, uid: int | None, nonce_fd: int, marker_fd: int) -> str:
   cpu = limits.cpu_s or math.ceil(limits.timeout_s) + 1
   mb = 1 << 20
   rlimits = [("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_CORE", 0, 0),
              ("RLIMIT_AS", limits.memory_mb * mb, limits.memory_mb * mb),
              ("RLIMIT_FSIZE", limits.file_size_mb * mb, limits.file_size_mb * mb),
              ("RLIMIT_NOFILE", limits.open_files, limits.open_files)]
-  if os.geteuid() != 0:  # counts all the user's processes, so only a margin over today's
+  if uid is not None:  # counts the processes (threads) of the program's own uid
+    rlimits.append(("RLIMIT_NPROC", 256, 256))
+  elif os.geteuid() != 0:  # counts all the user's processes, so only a margin over today's
     rlimits.append(("RLIMIT_NPROC", 4096, 4096))
   c = confinement()
   arch = _SECCOMP_ARCH.get(platform.machine())
   return json.dumps({"rlimits": rlimits, "seccomp": arch if c["seccomp"] else None,
-                     "landlock": min(c["landlock_abi"], 6), "dir": workdir})
+                     "landlock": min(c["landlock_abi"], 6), "uid": uid,
+                     "nonce_fd": nonce_fd, "marker_fd": marker_fd})
+
+
+def _take_uid() -> int | None:
+  if not confinement()["own_uid"]:
+    return None
+  with _uid_lock:
+    uid = next(UID_BASE + i for i in range(UID_COUNT) if UID_BASE + i not in _uids_in_use)
+    _uids_in_use.add(uid)
+  return uid
+
+
+def _release_uid(uid: int | None):
+  if uid is not None:
+    with _uid_lock:
+      _uids_in_use.discard(uid)
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
@@ -223,21 +212,36 @@ def _tail(f, n: int = 4096) -> str:
 
 def run_program(source: str, limits: Limits = Limits(), tmp_root: str | None = None) -> Outcome:
   """Runs `source` as a fresh Python program under `limits`; never raises for what the program
-  does."""
+  does. Passed: exit code 0 and the harness's end-of-program marker (written after the program's
+  last statement ran)."""
   workdir = tempfile.mkdtemp(prefix="mtp_sandbox_", dir=tmp_root)
   t0 = time.monotonic()
   pid = -1
+  uid = _take_uid()
+  fds = []
   try:
     path = os.path.join(workdir, "program.py")
     with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
       f.write(source)
+    if uid is not None:
+      os.chown(workdir, uid, uid)
+      os.chown(path, uid, uid)
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+    nonce = os.urandom(16).hex().encode()
+    nonce_r, nonce_w = os.pipe()
+    marker_r, marker_w = os.pipe()
+    fds = [nonce_r, nonce_w, marker_r, marker_w]
+    os.write(nonce_w, nonce)
     with tempfile.TemporaryFile(dir=tmp_root) as err:
       proc = subprocess.Popen(
-          [sys.executable, "-I", "-S", "-c", _BOOT, _child_config(limits, workdir), path],
+          [sys.executable, "-I", "-S", "-c", _BOOT,
+           _child_config(limits, uid, nonce_r, marker_w)],
           cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-          stderr=err, start_new_session=True, close_fds=True)
+          stderr=err, start_new_session=True, close_fds=True, pass_fds=(nonce_r, marker_w))
       pid = proc.pid
+      for fd in (nonce_r, nonce_w, marker_w):
+        os.close(fd)
+      fds = [marker_r]
       in_time = _wait(proc, limits.timeout_s)
       try:  # the leader is a zombie or alive: its group id cannot have been reused
         os.killpg(pid, signal.SIGKILL)
@@ -246,18 +250,29 @@ def run_program(source: str, limits: Limits = Limits(), tmp_root: str | None = N
       rc = proc.wait()
       seconds = time.monotonic() - t0
       detail = _tail(err)
+    os.set_blocking(marker_r, False)
+    try:
+      marked = os.read(marker_r, 64) == nonce
+    except BlockingIOError:
+      marked = False
     if not in_time:
       return Outcome("timed_out", f"no exit within {limits.timeout_s:g} s", seconds, pid)
-    if rc == 0:
+    if rc == 0 and marked:
       return Outcome("passed", "", seconds, pid)
     if rc < 0:
       name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
       return Outcome("killed", f"signal {name}" + (f": {detail}" if detail else ""), seconds, pid)
     if rc == 120 and detail.startswith("sandbox setup failed"):
       return Outcome("error", detail, seconds, pid)
+    if rc == 0:
+      return Outcome("failed", "exit code 0 before the end of the program (no end marker)",
+                     seconds, pid)
     return Outcome("failed", detail or f"exit code {rc}", seconds, pid)
   finally:
+    for fd in fds:
+      os.close(fd)
     shutil.rmtree(workdir, ignore_errors=True)
+    _release_uid(uid)
 
 
 def run_many(sources: list[str], limits: Limits = Limits(), workers: int = 2,

@@ -112,3 +112,25 @@ def test_speculative_equals_greedy_in_bfloat16(make_config, make_model, kind):
   np.testing.assert_array_equal(spec.tokens, greedy.tokens)
   np.testing.assert_array_equal(spec.lengths, greedy.lengths)
   assert greedy.lengths.max() == 40  # not every row stops at an early EOS
+
+
+def test_loss_tolerance_rejects_a_loss_reduced_in_bfloat16(make_config, make_model):
+  """LOSS_RTOL has power: on the batch of the test above, head 1's loss with its token mean
+  accumulated in bf16 (a running bf16 sum, as a naive bf16 reduction does) is outside it, while
+  the bf16 model's loss reduced in f32 (as loss.py does) is inside it."""
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 16)), jnp.int32)
+
+  def nll(dtype):
+    model, params = make_model(_config(make_config, "parallel", dtype, n_future=2))
+    h_NxBxSxD, _ = model.apply({"params": params}, tokens)
+    lg = logits(params, model.args, h_NxBxSxD[:1])[0][:, :-1].astype(jnp.float32)
+    return -jnp.take_along_axis(jax.nn.log_softmax(lg), tokens[:, 1:, None], -1)[..., 0]
+
+  def bf16_running_mean(x):
+    body = lambda c, v: ((c + v.astype(jnp.bfloat16)).astype(jnp.bfloat16), None)
+    return float(jax.lax.scan(body, jnp.zeros((), jnp.bfloat16), x.ravel())[0]) / x.size
+
+  f32, bf16 = nll("float32"), nll("bfloat16")
+  np.testing.assert_allclose(float(bf16.mean()), float(f32.mean()), rtol=LOSS_RTOL)
+  with pytest.raises(AssertionError):
+    np.testing.assert_allclose(bf16_running_mean(bf16), float(f32.mean()), rtol=LOSS_RTOL)

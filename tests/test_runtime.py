@@ -82,3 +82,23 @@ def test_merged_xla_flags():
   assert runtime.merged_xla_flags(" --a=1 ") == f"--a=1 {YNN}"
   assert runtime.merged_xla_flags("--xla_cpu_experimental_ynn_fusion_type=") == (
       "--xla_cpu_experimental_ynn_fusion_type=")
+
+
+def test_machine_info_and_every_bench_record_names_its_machine():
+  info = runtime.machine_info()
+  assert info["cpu_count"] == os.cpu_count() and info["accelerator"]["platform"]
+  assert set(info["isa"]) == set(runtime.ISA_FLAGS)
+  if os.path.exists("/proc/cpuinfo"):
+    with open("/proc/cpuinfo") as f:
+      flags = next((l.split(":", 1)[1].split() for l in f if l.startswith("flags")), [])
+    assert info["isa"] == {k: k in flags for k in runtime.ISA_FLAGS}
+  records = runtime.stamp([{"a": 1}, {"b": 2, "machine": "kept"}])
+  assert records[0]["machine"] == info and records[1]["machine"] == "kept"
+  # every experiment that writes a results file stamps it (a bench record names its machine)
+  folder = os.path.join(ROOT, "experiments")
+  for name in sorted(os.listdir(folder)):
+    if name.endswith(".py"):
+      with open(os.path.join(folder, name)) as f:
+        src = f.read()
+      if "json.dump(" in src or ".write(text" in src:
+        assert "runtime.stamp(" in src or "machine_info()" in src, name

@@ -115,6 +115,9 @@ def test_plain_sampling_is_exact_in_distribution():
   assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Params(**sp))) > 1e-3
 
 
+REAL_ACCEPT = sampling.accept_sampled
+
+
 def always_accept(drafts_BxK1, p_BxKxV, q_BxK1xV, u_BxK):
   m_B = jnp.full(drafts_BxK1.shape[:1], drafts_BxK1.shape[1])
   return m_B, sampling.draw(p_BxKxV[:, -1], u_BxK[:, -1])
@@ -130,15 +133,50 @@ def resample_from_p(drafts_BxK1, p_BxKxV, q_BxK1xV, u_BxK):
   return m_B, sampling.draw(p_BxKxV[jnp.arange(B), m_B], u_BxK[:, -1])
 
 
-@pytest.mark.parametrize("wrong", [always_accept, resample_from_p])
-def test_chi_square_rejects_a_wrong_rule(monkeypatch, wrong):
-  """The test above has power: the same statistic at the same sample size rejects wrong rules."""
+def bonus_from_previous_slot(drafts_BxK1, p_BxKxV, q_BxK1xV, u_BxK):
+  """The right rule, except that after every draft passed the bonus token is drawn from p one
+  slot too early (the distribution of the last draft's position, not the next)."""
+  B, Kw, _ = p_BxKxV.shape
+  m_B, next_B = REAL_ACCEPT(drafts_BxK1, p_BxKxV, q_BxK1xV, u_BxK)
+  wrong_B = sampling.draw(p_BxKxV[:, Kw - 2], u_BxK[:, -1])
+  return m_B, jnp.where(m_B == Kw - 1, wrong_B, next_B)
+
+
+# (wrong rule, heads, rows): each its own batch size, so each is traced afresh into its own
+# program (decode's jit caches by shape, and a monkeypatched rule is not part of the key).
+WRONG = [(always_accept, K, N + 1), (resample_from_p, K, N + 2),
+         (bonus_from_previous_slot, 2, N + 3)]
+
+
+@pytest.mark.parametrize("wrong, k, n", WRONG, ids=[w[0].__name__ for w in WRONG])
+def test_chi_square_rejects_a_wrong_rule(monkeypatch, wrong, k, n):
+  """The tests above have power: the same statistic at the same sample size rejects wrong rules;
+  a counter shows the wrong rule was traced into the program that produced the samples."""
   m, params = make("parallel")
-  monkeypatch.setattr(sampling, "accept_sampled", wrong)
+  calls = []
+
+  def counted(*a):
+    calls.append(1)
+    return wrong(*a)
+
+  monkeypatch.setattr(sampling, "accept_sampled", counted)
   sp = SETTINGS[0]
-  # One row more than above: a new shape, so the loop is traced again with the wrong rule.
-  r = sample_rows(m, params, k=K, n=N + 1, **sp)
+  r = sample_rows(m, params, k=k, n=n, **sp)
+  assert calls, "the wrong rule was never traced: the samples came from a cached program"
+  if k == 2:  # the bonus token is inside the statistic: drafts fully accepted often enough
+    assert r.accepted_hist[1] > 0.2 * r.accepted_hist.sum(), r.accepted_hist
   assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Params(**sp))) < 1e-6
+
+
+def test_bonus_token_is_inside_the_statistic():
+  """k = 2 over the first three tokens: the first comes from prefill, the first cycle gains the
+  accepted draft and then the bonus token, so a bonus token drawn from p after a full acceptance
+  is one of the three tokens tested (with k = 3 it would be the fourth, outside)."""
+  m, params = make("parallel")
+  sp = SETTINGS[1]
+  r = sample_rows(m, params, k=2, seed=11, **sp)
+  assert r.accepted_hist[1] > 0.2 * r.accepted_hist.sum(), r.accepted_hist
+  assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Params(**sp))) > 1e-3
 
 
 # accept_sampled by hand. V = 3, k = 3: drafts d1, d2 drawn from q1, q2; head 1's p at slots 0..2.
@@ -193,6 +231,54 @@ def test_draw_and_truncation_by_hand():
   s = np.sqrt([0.5, 0.2, 0.15, 0.1, 0.05])
   np.testing.assert_allclose(sampling.probs(lg, sp(2, 0, 1))[0], s / s.sum(), rtol=1e-5)
   np.testing.assert_array_equal(sampling.probs(lg, sp(0, 3, 0.5)), [[1, 0, 0, 0, 0]])
+
+
+def reference_probs(logits_V, temperature, top_k, top_p):
+  """NumPy, float64, written from the definition: temperature 0 is a one-hot on the (first)
+  argmax; else softmax(logits / temperature); top-k keeps the tokens at least as likely as the
+  k-th most likely (ties with it kept); the rest is renormalised; top-p keeps each token whose
+  more likely tokens (strictly) hold less than top_p of that mass (so ties stay together);
+  renormalised again."""
+  x = np.asarray(logits_V, np.float64)
+  if temperature == 0:
+    return np.eye(len(x))[int(np.argmax(x))]
+  z = x / temperature
+  keep = np.ones(len(x), bool)
+  if top_k > 0:
+    keep = z >= np.sort(z)[::-1][min(top_k, len(x)) - 1]
+  w = np.where(keep, np.exp(z - z.max()), 0.0)
+  w /= w.sum()
+  if top_p < 1:
+    before = np.array([w[w > wi].sum() for wi in w])
+    keep &= before < top_p
+    w = np.where(keep, w, 0.0)
+    w /= w.sum()
+  return w
+
+
+PROB_CASES = [  # (logits, temperature, top_k, top_p)
+    ([0.3, -1.2, 2.0, 0.0, 1.1], 0.7, 0, 1.0),  # temperature alone
+    ([2.0, 1.0, 1.0, 0.0, -1.0], 1.0, 2, 1.0),  # top-k 2, tie at the boundary: 3 kept
+    ([1.0, 1.0, 0.0, 0.0, -1.0], 1.0, 0, 0.5),  # top-p: the tied pair together
+    ([2.0, 1.0, 1.0, 0.0, -3.0], 1.0, 2, 0.7),  # top-k tie straddling k, then top-p
+    ([2.0, 1.0, 1.0, 0.0, -3.0], 1.0, 2, 0.5),  # ... where top-p keeps the top token alone
+    ([0.5, 0.5, 0.5, 0.5, 0.5], 1.3, 2, 0.3),  # all tied: nothing can be cut
+    ([3.0, 3.0, 1.0, 0.0, 0.0], 0.0, 1, 0.5),  # temperature 0: the first argmax
+    ([1.7, -0.4, 0.9, 2.2, 0.1], 2.0, 3, 0.9),  # all three, no ties
+    ([1.7, -0.4, 0.9, 2.2, 0.1], 0.5, 4, 0.6),
+]
+
+
+def test_probs_equal_an_independent_numpy_reference():
+  rng = np.random.default_rng(7)
+  cases = PROB_CASES + [(list(rng.normal(0, 2, 7)), float(rng.uniform(0.3, 2)),
+                         int(rng.integers(0, 8)), float(rng.uniform(0.2, 1)))
+                        for _ in range(40)]
+  for lg, t, k, p in cases:
+    sp = sampling.Params(np.float32(t), np.int32(k), np.float32(p))
+    got = np.asarray(sampling.probs(np.float32([lg]), sp))[0]
+    np.testing.assert_allclose(got, reference_probs(lg, t, k, p), atol=1e-6,
+                               err_msg=str((lg, t, k, p)))
 
 
 # Greedy: temperature 0 (either program) equals a no-cache reference, ragged prompts, every kind.

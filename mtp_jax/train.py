@@ -36,7 +36,7 @@ from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
 from mtp_jax.checkpoint import Checkpointer
 from mtp_jax.data import pipeline, tokenizers
-from mtp_jax.metrics import MetricsWriter
+from mtp_jax.metrics import MetricsWriter, write_summary
 from mtp_jax.model import build_model, param_count
 
 
@@ -254,9 +254,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       **writer.last["train"],
       **writer.last["eval"],
   }
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  return summary
+  trained = step > start
+  if not trained:
+    print(f"nothing to train: already at step {step} (this run ends at {end}); summary.json "
+          "keeps the figures of the steps that were trained", flush=True)
+  return write_summary(os.path.join(workdir, "summary.json"), summary, trained=trained)
 
 
 def cli_main(flags_) -> int:

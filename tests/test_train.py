@@ -96,6 +96,18 @@ def test_reference_run_outputs(reference):
   assert "tok/s" in reference["stdout"] and "ETA" in reference["stdout"]
 
 
+def test_rerun_of_finished_run_keeps_summary(corpus, reference, tmp_path):
+  """Rerunning a finished run (`make demo` twice) trains nothing and keeps every key and value
+  of summary.json: the speed, eval and MFU of the steps that were trained."""
+  wd = tmp_path / "run"
+  shutil.copytree(reference["workdir"], wd)
+  before = summary(wd)
+  p = run_train(corpus, wd)
+  assert "nothing to train" in p.stdout, p.stdout[-2000:]
+  assert summary(wd) == before
+  assert json.loads(p.stdout.strip().splitlines()[-1])["tokens_per_sec"] == before["tokens_per_sec"]
+
+
 def test_exact_resume_after_stop(corpus, reference, tmp_path):
   wd = tmp_path / "run"
   run_train(corpus, wd, "--config.train.stop_at=10")

@@ -40,6 +40,22 @@ def _fmt_heads(values) -> str:
   return " ".join(f"{v:.3f}" for v in np.asarray(values))
 
 
+def machine() -> dict[str, Any]:
+  """The host a run's timings come from: CPU model name and the cores this process may use."""
+  cpu = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f
+                  if line.startswith("model name")), "")
+  except OSError:
+    pass
+  if not cpu:
+    import platform  # pylint: disable=import-outside-toplevel
+    cpu = platform.processor() or platform.machine()
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return {"cpu": cpu, "cpu_cores": cores}
+
+
 def write_summary(path: str, summary: dict[str, Any], *, trained: bool) -> dict[str, Any]:
   """Writes `summary` to `path` (summary.json) and returns what the file holds.
 

@@ -36,7 +36,7 @@ from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
 from mtp_jax.checkpoint import Checkpointer
 from mtp_jax.data import pipeline, tokenizers
-from mtp_jax.metrics import MetricsWriter, write_summary
+from mtp_jax.metrics import MetricsWriter, machine, write_summary
 from mtp_jax.model import build_model, param_count
 
 
@@ -247,6 +247,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       "peak_flops_per_device": peak_flops,
       "peak_flops_source": peak_source,
       "wall_seconds": time.time() - t_start,
+      **machine(),  # where the timings come from
       "params_sha256": steps_lib.params_sha256(state.params),
       "head_kind": config.model.heads.kind,
       "n_future": config.model.n_future,

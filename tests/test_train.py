@@ -85,8 +85,9 @@ def test_reference_run_outputs(reference):
   s, wd = reference["summary"], reference["workdir"]
   assert s["step"] == 20
   for key in ("train/loss", "eval/head1_loss", "eval/head2_acc", "eval/head2_agree",
-              "tokens_per_sec", "wall_seconds", "params_sha256"):
+              "tokens_per_sec", "wall_seconds", "params_sha256", "cpu", "cpu_cores"):
     assert key in s, key
+  assert s["cpu"] and s["cpu_cores"] >= 1  # timings name the machine they come from
   assert np.isfinite(s["train/loss"])
   assert ckpt_steps(wd) == [10, 15, 20]  # keep_checkpoints = 3
   assert os.path.isfile(os.path.join(wd, "config.json"))

@@ -10,15 +10,16 @@ Gloeckle et al. 2024's fine-tuning experiments do). The corpus is yours: text_fo
 import os
 
 from mtp_jax import config as config_lib
+from mtp_jax import workdir
 
 
 def get_config(init_from: str = ""):
   if not init_from:
     raise ValueError("configs/finetune.py needs the imported workdir: "
                      "--config configs/finetune.py:WORKDIR")
-  path = os.path.join(os.path.expanduser(init_from), "config.json")
+  path = workdir.config_path(os.path.expanduser(init_from))
   if not os.path.isfile(path):
-    raise ValueError(f"configs/finetune.py: {init_from!r} has no config.json")
+    raise ValueError(f"configs/finetune.py: {init_from!r} has no {workdir.CONFIG}")
   c = config_lib.load_json(path)
   c.train.init_from = os.path.abspath(os.path.expanduser(init_from))
   c.optim.trainable = "heads"

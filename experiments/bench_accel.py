@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax import decode as decode_lib
 from mtp_jax import flops as flops_lib
 from mtp_jax import optimizer as optim_lib
@@ -102,7 +103,7 @@ def make_config(size: str, n_future: int, dtype: str, batch: int, overrides):
     if not eq:
       raise ValueError(f"--set: expected field=value, got {kv_text!r}")
     set_field(c, key, value)
-  return config_lib.validate(c)
+  return validation.validate(c)
 
 
 def _peak_bytes(compiled) -> dict:
@@ -264,7 +265,7 @@ def main(argv=None) -> dict:
   prompts_for = lambda b: [rng.integers(1, model_args.vocab_size, prompt_len) for _ in range(b)]
   params_from, note, pad_id = "random-init (the n=4 train variant's params)", RANDOM_NOTE, 0
   if args.workdir:
-    from mtp_jax.generate import load_workdir  # pylint: disable=import-outside-toplevel
+    from mtp_jax.workdir import load_workdir  # pylint: disable=import-outside-toplevel
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_decode import heldout_prompts  # pylint: disable=import-outside-toplevel
     loaded = load_workdir(args.workdir)

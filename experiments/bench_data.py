@@ -29,6 +29,7 @@ import tempfile
 import time
 
 from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax.data import pipeline
 from mtp_jax.data import prepare
 from mtp_jax.data import sources
@@ -109,7 +110,7 @@ def main() -> None:
       r = result[name] = {"prepare": bench_prepare(source, args.glob, out, args.shards,
                                                    args.workers)}
       c.data.corpus, c.data.files = "array_record", os.path.join(out, "tokens-*.array_record")
-      config_lib.validate(c)
+      validation.validate(c)
       for split in ("train", "validation"):
         r[f"pipeline_{split}"] = bench_pipeline(c, split, args.batches)
       if result["train_step_tokens_per_sec"]:

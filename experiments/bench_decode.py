@@ -42,7 +42,7 @@ import numpy as np
 from mtp_jax import decode as decode_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax.data import builders, pipeline
-from mtp_jax.generate import load_workdir
+from mtp_jax.workdir import load_workdir
 
 
 def heldout_prompts(loaded, n: int, length: int, seed: int = 0) -> list[np.ndarray]:

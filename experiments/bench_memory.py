@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax.loss import model_loss, mtp_loss, naive_mtp_loss
 from mtp_jax.model import build_model, init_params, param_count
 
@@ -79,7 +80,7 @@ def model_config(n: int, chunks: int):
   m.n_future = n
   c.train.batch_size = MODEL["batch"]
   c.loss.token_chunks = chunks
-  return config_lib.validate(c)
+  return validation.validate(c)
 
 
 def train_step_record(n: int, impl: str, chunks: int) -> dict:

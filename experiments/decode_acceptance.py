@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import heldout_prompts  # noqa: E402
 
 from mtp_jax import decode as decode_lib  # noqa: E402
-from mtp_jax.generate import load_workdir  # noqa: E402
+from mtp_jax.workdir import load_workdir  # noqa: E402
 
 
 def main():

@@ -38,6 +38,7 @@ import numpy as np
 
 from mtp_jax import scaling
 from mtp_jax import sweep as sweep_lib
+from mtp_jax import workdir as workdir_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (task, split, metric, panel title)
@@ -77,7 +78,7 @@ def evaluate(workdir: str, limit: int | None) -> dict:
   """tasks_eval.evaluate_workdir, cached in workdir/task_eval.json for this step and limit."""
   from mtp_jax import tasks_eval  # pylint: disable=import-outside-toplevel
   path = os.path.join(workdir, "task_eval.json")
-  step = scaling.read_json(os.path.join(workdir, "summary.json"))["step"]
+  step = workdir_lib.read_summary(workdir)["step"]
   cached = scaling.read_json(path)
   if cached and cached["step"] == step and cached.get("limit") == limit:
     return cached
@@ -114,7 +115,7 @@ def run_grid(args) -> list[dict]:
   for task, run, workdir in trained:
     size, n, seed = (run.name[1:].split("_n")[0], run.overrides["model.n_future"],
                      run.overrides["seed"])
-    summary = scaling.read_json(os.path.join(workdir, "summary.json"))
+    summary = workdir_lib.read_summary(workdir)
     ev = evaluate(workdir, args.eval_limit)
     records.append({"task": task, "size": size, "n_future": n, "seed": seed, "workdir": workdir,
                     "n_params": summary["n_params"], "step": summary["step"],

@@ -304,8 +304,3 @@ def _place(abstract_state: Any, state: Any) -> Any:
     return got
 
   return jax.tree.map(place, abstract_state, state)
-
-
-def checkpoint_dir(workdir: str) -> str:
-  """Where a run in `workdir` keeps its checkpoints."""
-  return os.path.join(workdir, "checkpoints")

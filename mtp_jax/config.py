@@ -1,49 +1,22 @@
-"""The base config (every field, defaulting to plain next-token prediction), its validation, and
-`ModelArgs`, the model's hashable hyper-parameters generated from `config.model`.
+"""The base config (every field, defaulting to plain next-token prediction) and reading and
+writing it. Imports no JAX and nothing from mtp_jax but the JAX-free `model_args`, whose
+`ModelArgs` declares the `config.model` fields.
 
 Files in `configs/` import `base_config()` and change what they need; the train and generate
-entry points call `validate()` once, after command-line overrides, so a bad value is one clear
-`ValueError` at start-up, never a shape error deep inside a jitted function.
+entry points call `validation.resolve()` once, after command-line overrides, so a bad value is
+one clear `ValueError` at start-up, never a shape error deep inside a jitted function.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
-from typing import Any
 
-import jax.numpy as jnp
 import ml_collections
 
-from mtp_jax import attention
-from mtp_jax import heads
-from mtp_jax.data import config_checks as data_checks
-from mtp_jax.sharding import DISTRIBUTED_MODES
+from mtp_jax.model_args import ModelArgs
 
-HEAD_KINDS = tuple(heads.KINDS)  # the built-in kinds; validate() reads the live registry
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 HEAD_WEIGHTS = ("uniform", "geometric", "deepseek")
-SCHEDULES = ("cosine", "linear", "constant")
-TRAINABLE = ("all", "heads")  # optim.trainable: "heads" trains heads 2..n only (optimizer.py)
 DTYPES = ("float32", "bfloat16")
-# Every float field: (the allowed range in words, the test). validate() checks each value is a
-# finite number in range (nan fails no `<` test); tests/test_config.py fails for a float field
-# missing here.
-FLOAT_RANGES = {
-    "model.rope_theta": ("> 0", lambda x: x > 0),
-    "model.norm_eps": ("> 0", lambda x: x > 0),
-    "loss.geometric_decay": ("in (0, 1]", lambda x: 0 < x <= 1),
-    "loss.mtp_lambda": (">= 0", lambda x: x >= 0),
-    "loss.z_loss": (">= 0", lambda x: x >= 0),
-    "optim.lr": ("> 0", lambda x: x > 0),
-    "optim.min_lr_ratio": ("in [0, 1]", lambda x: 0 <= x <= 1),
-    "optim.b1": ("in [0, 1)", lambda x: 0 <= x < 1),
-    "optim.b2": ("in [0, 1)", lambda x: 0 <= x < 1),
-    "optim.eps": ("> 0", lambda x: x > 0),
-    "optim.weight_decay": (">= 0", lambda x: x >= 0),
-    "optim.grad_clip": (">= 0 (0: no clipping)", lambda x: x >= 0),
-}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -51,38 +24,12 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
 
+  # Every model field and its default is declared once, in model_args.ModelArgs.
   c.model = ml_collections.ConfigDict()
-  c.model.vocab_size = 259  # byte tokenizer: 256 bytes + pad, bos, eos
-  # The embedding and unembedding have vocab_size rounded up to a multiple of this many rows
-  # (ModelArgs.padded_vocab): 259 -> 384 splits over `tensor` and fills the MXU / tensor cores.
-  # Pad logits are masked out of the loss and decoding (model.mask_pad_logits). A workdir saved
-  # before the field existed loads with 1 (load_json): its embedding is unpadded.
-  c.model.vocab_multiple = 128
-  c.model.d_model = 256
-  c.model.n_layers = 6  # counts the parallel head blocks (matched parameters, Gloeckle §3)
-  c.model.n_heads = 8  # attention heads
-  c.model.n_kv_heads = 4
-  c.model.d_ff = 768  # SwiGLU hidden size
-  c.model.max_len = 1024  # longest sequence (prompt + completion) the model accepts
-  c.model.rope_theta = 10000.0
-  c.model.norm_eps = 1e-5
-  c.model.tie_embeddings = True
-  c.model.n_future = 1
-  c.model.remat_policy = "none"
-  c.model.scan_layers = True
-  c.model.dtype = "float32"  # compute dtype; params stay float32
-  c.model.attention_impl = "auto"  # mtp_jax/attention.py: auto, einsum, cpu, xla, cudnn, splash
-  c.model.heads = ml_collections.ConfigDict()
-  c.model.heads.kind = "parallel"
-  # Parallel head blocks: "vmap" runs them side by side (fast on small models); "scan" runs one
-  # at a time, so only one head's activations are alive (what large models need: plan_memory).
-  c.model.heads.parallel_stack = "vmap"
-  # Sequential heads (heads.SequentialHeads.presets: who does which). The preset sets the three
-  # fields below unless "" (custom).
-  c.model.heads.seq_preset = "deepseek_v3"
-  c.model.heads.seq_concat = "emb_first"
-  c.model.heads.seq_trunk_state = "post_norm"
-  c.model.heads.seq_output_norm = "per_module"
+  for group, name, default in ModelArgs.config_fields():
+    if group and group not in c.model:
+      c.model[group] = ml_collections.ConfigDict()
+    (c.model[group] if group else c.model)[name] = default
 
   c.loss = ml_collections.ConfigDict()
   c.loss.token_chunks = 1  # token tiles per head inside the loss scan; 1 = whole head at once
@@ -184,42 +131,6 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-def _model_fields(m: ml_collections.ConfigDict) -> dict[str, Any]:
-  """config.model flat, as ModelArgs names it: model.heads.kind is head_kind, the other
-  model.heads fields keep their names (they carry their kind's prefix); lists become tuples."""
-  flat = {k: v for k, v in m.items() if k != "heads"}
-  flat.update({"head_kind" if k == "kind" else k: v for k, v in m.heads.items()})
-  if len(flat) != len(m) - 1 + len(m.heads):
-    raise RuntimeError("config.model: a model.heads field shadows a model field")
-  return {k: tuple(v) if isinstance(v, list) else v for k, v in flat.items()}
-
-
-def _model_args_from_config(cls, m: ml_collections.ConfigDict):
-  """The ModelArgs of a validated `config.model` (fields it does not know are ignored)."""
-  flat = _model_fields(m)
-  flat.update(dtype=jnp.dtype(m.dtype), n_trunk=heads.KINDS[m.heads.kind].n_trunk(m))
-  return cls(**{f.name: flat[f.name] for f in dataclasses.fields(cls)})
-
-
-# Hashable model hyper-parameters (a jit static argument), generated from base_config().model
-# so that a model field is declared and defaulted once, above.
-ModelArgs = dataclasses.make_dataclass(
-    "ModelArgs",
-    [(k, Any if k == "dtype" else type(v)) for k, v in _model_fields(base_config().model).items()]
-    + [("n_trunk", int)],
-    frozen=True,
-    namespace={
-        "__module__": __name__,
-        "__doc__": "Every field of config.model, flat (model.heads.kind as head_kind), dtype as "
-                   "a jnp dtype, and n_trunk: the trunk blocks its head kind leaves.",
-        "from_config": classmethod(_model_args_from_config),
-        "head_dim": property(lambda self: self.d_model // self.n_heads),
-        # Rows of the embedding (columns of the unembedding): ids >= vocab_size are padding.
-        "padded_vocab": property(lambda self: data_checks.padded_vocab(self.vocab_size,
-                                                           self.vocab_multiple)),
-    })
-
-
 def load_file(path: str) -> ml_collections.ConfigDict:
   """`get_config()` of a config file, loaded by path as config_flags does (configs/ is not a
   package: a variant file loads its base this way)."""
@@ -269,102 +180,3 @@ def parse_head_weights(value):
     return [float(w) for w in str(value).strip("()[] ").split(",") if w.strip()]
   except ValueError:
     return value
-
-
-def _fail(field: str, msg: str):
-  raise ValueError(f"config.{field}: {msg}")
-
-
-def _get(c, field: str):
-  for part in field.split("."):
-    c = getattr(c, part)
-  return c
-
-
-def _choice(c, field: str, allowed):
-  value = _get(c, field)
-  if value not in allowed:
-    _fail(field, f"got {value!r}, allowed: {', '.join(map(repr, allowed))}")
-
-
-def _validate_floats(c: ml_collections.ConfigDict) -> None:
-  for field, (words, in_range) in FLOAT_RANGES.items():
-    value = _get(c, field)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (number and math.isfinite(value) and in_range(value)):
-      _fail(field, f"must be a finite number {words}, got {value!r}")
-
-
-def _validate_heads(c: ml_collections.ConfigDict) -> None:
-  """model.heads: a registered kind; every kind's own fields (whichever kind is chosen, so a
-  typo in a saved config fails); then the chosen kind's own checks."""
-  _choice(c, "model.heads.kind", tuple(heads.KINDS))
-  for kind in heads.KINDS.values():
-    kind.validate_fields(c.model.heads, base_config().model.heads, _fail)
-  heads.KINDS[c.model.heads.kind].validate_config(c.model, _fail)
-
-
-def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Checks every field the code relies on; raises ValueError naming the field. Returns c."""
-  m = c.model
-  _validate_floats(c)
-  _choice(c, "model.remat_policy", REMAT_POLICIES)
-  _choice(c, "model.dtype", DTYPES)
-  _choice(c, "model.attention_impl", attention.IMPLS)
-  for field in ("vocab_size", "vocab_multiple", "d_model", "n_layers", "n_heads", "n_kv_heads",
-                "d_ff", "max_len"):
-    if int(getattr(m, field)) < 1:
-      _fail(f"model.{field}", f"must be >= 1, got {getattr(m, field)}")
-  if m.n_future < 1:
-    _fail("model.n_future", f"must be >= 1, got {m.n_future}")
-  _validate_heads(c)
-  if m.d_model % m.n_heads:
-    _fail("model.n_heads", f"must divide model.d_model ({m.d_model}), got {m.n_heads}")
-  if (m.d_model // m.n_heads) % 2:
-    _fail("model.n_heads", f"head size d_model/n_heads = {m.d_model // m.n_heads} must be even "
-          "for RoPE")
-  if m.n_heads % m.n_kv_heads:
-    _fail("model.n_kv_heads", f"must divide model.n_heads ({m.n_heads}), got {m.n_kv_heads}")
-
-  data_checks.validate_data(c, _fail, _choice)
-  d = c.data
-
-  lo = c.loss
-  if lo.token_chunks < 1 or d.seq_len % lo.token_chunks:
-    _fail("loss.token_chunks", f"must be >= 1 and divide data.seq_len ({d.seq_len}), got "
-          f"{lo.token_chunks}")
-  weights = parse_head_weights(lo.head_weights)
-  if isinstance(weights, str):
-    _choice(c, "loss.head_weights", HEAD_WEIGHTS + ("or comma-separated numbers",))
-  else:
-    if len(weights) != m.n_future:
-      _fail("loss.head_weights", f"a list needs one weight per head (model.n_future = "
-            f"{m.n_future}), got {len(weights)}")
-    if not all(math.isfinite(w) and w >= 0 for w in weights):
-      _fail("loss.head_weights", f"weights must be finite numbers >= 0, got {weights}")
-
-  t, o = c.train, c.optim
-  _choice(c, "optim.schedule", SCHEDULES)
-  _choice(c, "optim.trainable", TRAINABLE)
-  if o.trainable == "heads" and m.n_future < 2:
-    _fail("optim.trainable", f"'heads' trains heads 2..n and model.n_future is {m.n_future}: "
-          "set model.n_future >= 2 or optim.trainable='all'")
-  for field in ("batch_size", "grad_accum", "steps", "log_every", "eval_every",
-                "checkpoint_every", "keep_checkpoints", "eval_batches"):
-    if int(getattr(t, field)) < 1:
-      _fail(f"train.{field}", f"must be >= 1, got {getattr(t, field)}")
-  if t.stop_at < 0:
-    _fail("train.stop_at", f"must be >= 0 (0 = run to train.steps), got {t.stop_at}")
-  if t.batch_size % t.grad_accum:
-    _fail("train.grad_accum", f"must divide train.batch_size ({t.batch_size}), got "
-          f"{t.grad_accum}")
-  if o.warmup_steps < 0:
-    _fail("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
-  if o.max_consecutive_nonfinite < 1:
-    _fail("optim.max_consecutive_nonfinite", f"must be >= 1, got {o.max_consecutive_nonfinite}")
-  _choice(c, "mesh.distributed", DISTRIBUTED_MODES)
-  for axis in ("data", "fsdp", "tensor"):
-    v = getattr(c.mesh, axis)
-    if v != -1 and v < 1:
-      _fail(f"mesh.{axis}", f"must be -1 (fill) or >= 1, got {v}")
-  return c

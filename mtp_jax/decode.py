@@ -25,7 +25,7 @@ nothing here keeps a cache of its own).
 Sequential (DeepSeek-V3) heads decode in chain mode: depth j reads x_{t+j} where it is known
 (the prompt at prefill, the accepted drafts and the new token in a cycle: teacher forcing, as in
 training) and otherwise depth j-1's draft at the same position (its argmax, or its draw), so one
-forward yields k-1 chained drafts at the last accepted position (`sampling.chain_reads`).
+forward yields k-1 chained drafts at the last accepted position (`HeadKind.decode_reads`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import numpy as np
 
 from mtp_jax import heads
 from mtp_jax import sampling as sampling_lib
-from mtp_jax.config import ModelArgs
+from mtp_jax.model_args import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding
 
 
@@ -134,7 +134,7 @@ class DecodeState:
 
 def _draft_dists(h_kxBxSxD, W_DxV, slot_B, sp):
   """[B, k-1, V]: heads 2..k's sampling distributions at each row's slot (logits as
-  `sampling.chain_reads` computes them, so a sequential chain draws the same drafts)."""
+  heads/sequential.py computes them, so a sequential chain draws the same drafts)."""
   rows_B = jnp.arange(slot_B.shape[0])
   if h_kxBxSxD.shape[0] == 1:
     return jnp.zeros((slot_B.shape[0], 0, W_DxV.shape[1]), jnp.float32)
@@ -146,6 +146,7 @@ def _draft_dists(h_kxBxSxD, W_DxV, slot_B, sp):
 def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, *, args: ModelArgs,
             max_new_tokens: int, sample: bool):
   model = MTPModel(args)
+  chain_reads = heads.KINDS[args.head_kind].decode_reads  # what the heads read (None: nothing)
   k = args.n_future
   B, P = prompt_BxP.shape
   D = max(k - 1, 1)
@@ -177,8 +178,8 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, *, args:
     return after_BxP, last_P_B
 
   slots_BxN = jnp.maximum(last_P_B[:, None] - jnp.arange(D)[::-1], 0)
-  reads = sampling_lib.chain_reads(prefill_known, W_DxV, sp_chain,
-                                   u0_BxU[:, k:].T if sample else None, slots_BxN)
+  reads = chain_reads(prefill_known, W_DxV, sp_chain, u0_BxU[:, k:].T if sample else None,
+                      slots_BxN)
   h_kxBxPxD, cache = apply(prompt_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache, reads)
   if sample:
     first_B = first_token(h_kxBxPxD[0, rows_B, last_P_B])
@@ -221,7 +222,7 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, *, args:
         m_B, next_B = rule(h1_BxKxD)
         return sampling_lib.gained(s.drafts_BxK1, m_B, next_B), m_B
 
-      reads = sampling_lib.chain_reads(known, W_DxV, sp, u_BxU[:, k:].T)
+      reads = chain_reads(known, W_DxV, sp, u_BxU[:, k:].T)
       h_kxBxKxD, cache = apply(window_BxK, s.pos_B[:, None] + j_K, s.cache, reads)
       m_B, next_B = rule(h_kxBxKxD[0])
       out_BxK = sampling_lib.gained(s.drafts_BxK1, m_B, next_B)
@@ -234,7 +235,7 @@ def _decode(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, *, args:
         g_BxK = jnp.argmax(sampling_lib.head_logits(h1_BxKxD, W_DxV), axis=-1).astype(jnp.int32)
         return g_BxK, accept_greedy(s.drafts_BxK1, g_BxK, s.last_B, eos_id, budget_B).drafts_B
 
-      reads = sampling_lib.chain_reads(known, W_DxV, None)
+      reads = chain_reads(known, W_DxV, None)
       h_kxBxKxD, cache = apply(window_BxK, s.pos_B[:, None] + j_K, s.cache, reads)
       pred_kxBxK = jnp.argmax(logits(params, args, h_kxBxKxD), axis=-1).astype(jnp.int32)
       acc = accept_greedy(s.drafts_BxK1, pred_kxBxK[0], s.last_B, eos_id, budget_B)

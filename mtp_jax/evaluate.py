@@ -31,12 +31,13 @@ from absl import flags, logging
 from mtp_jax import code_tasks
 from mtp_jax import sampling
 from mtp_jax import sandbox
+from mtp_jax import workdir as workdir_lib
 
 PROMPT_BUCKET = 64  # prompt lengths are padded up to a multiple of this: few distinct compiles
 
 
 def model_args(loaded):
-  """The ModelArgs of a `generate.load_workdir` result (as `.args`, or its model's `.args`)."""
+  """The ModelArgs of a `workdir.load_workdir` result (as `.args`, or its model's `.args`)."""
   return loaded.args if hasattr(loaded, "args") else loaded.model.args
 
 
@@ -131,14 +132,13 @@ class Progress:
 def run(opts: dict, out=None) -> dict:
   """Everything after flag checks: load, generate, execute, score, write opts["out"]."""
   out = out or sys.stdout
-  from mtp_jax import generate as generate_lib  # pylint: disable=import-outside-toplevel
   t_start = time.monotonic()
   problems = code_tasks.load_problems(opts["task"], data_file=opts["data_file"],
                                       mbpp_split=opts["mbpp_split"],
                                       tfds_data_dir=opts["tfds_data_dir"])
   if opts["limit"]:
     problems = problems[:opts["limit"]]
-  loaded = generate_lib.load_workdir(opts["workdir"])
+  loaded = workdir_lib.load_workdir(opts["workdir"])
   args, tok = model_args(loaded), loaded.tokenizer
   prompts = []
   for p in problems:
@@ -293,11 +293,11 @@ def check_flags(fv: flags.FlagValues) -> dict:
       raise ValueError(f"--{name}: must be >= {low}, got {o[name]}")
   if not o["timeout"] > 0:
     raise ValueError(f"--timeout: must be > 0 seconds, got {o['timeout']}")
-  if not os.path.isfile(os.path.join(o["workdir"], "config.json")):
-    raise ValueError(f"--workdir: {o['workdir']!r} has no config.json")
-  ckpts = os.path.join(o["workdir"], "checkpoints")
+  if not os.path.isfile(workdir_lib.config_path(o["workdir"])):
+    raise ValueError(f"--workdir: {o['workdir']!r} has no {workdir_lib.CONFIG}")
+  ckpts = workdir_lib.checkpoints_dir(o["workdir"])
   if not os.path.isdir(ckpts) or not os.listdir(ckpts):
-    raise ValueError(f"--workdir: {o['workdir']!r} has no checkpoint in checkpoints/")
+    raise ValueError(f"--workdir: {o['workdir']!r} has no checkpoint in {workdir_lib.CHECKPOINTS}/")
   o["out"] = o["out"] or os.path.join(o["workdir"], f"eval_{o['task']}.json")
   parent = os.path.dirname(os.path.abspath(o["out"]))
   if not os.path.isdir(parent):

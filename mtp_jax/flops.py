@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from mtp_jax import heads as heads_lib
+
 DTYPES = ("float32", "bfloat16")
 
 # Dense (no structured sparsity) peak FLOP/s per chip: (bfloat16, float32). The float32 column
@@ -75,24 +77,22 @@ def flops_per_token(config: ml_collections.ConfigDict, *, train: bool = True,
   blocks' projection and MLP matmuls, "attention" the scores and values of every attention
   block (trunk and heads) at sequence length data.seq_len, "unembedding" d_model x vocab once per
   head, vocab the real model.vocab_size: the pad columns of model.vocab_multiple are computed
-  but are no model FLOPs (MFU counts the model's work, not the padding's). Head kinds
-  (heads.py): parallel, n_future blocks taken from n_layers (Gloeckle et al. 2024 §2);
-  projection, n_future - 1 residual MLPs d -> 2d -> d; sequential, n_future - 1 DeepSeek-V3
-  depths (arXiv 2412.19437 eq. 21-23), each eh_proj 2d -> d and a block.
+  but are no model FLOPs (MFU counts the model's work, not the padding's). The head kind counts
+  its own weights' FLOPs and attention blocks (`HeadKind.flops_per_token`) and says how many
+  trunk blocks it leaves (`HeadKind.n_trunk`). ValueError for a kind that does not count them.
   """
   m = config.model
   d, n, S = m.d_model, m.n_future, config.data.seq_len
   block = _block(d, m.n_heads, m.n_kv_heads, m.d_ff)
-  kind = m.heads.kind
-  if kind == "parallel":
-    n_trunk, head_blocks, heads = m.n_layers - n, n, n * block
-  elif kind == "projection":
-    n_trunk, head_blocks, heads = m.n_layers, 0, (n - 1) * 2 * (d * 2 * d + 2 * d * d)
-  elif kind == "sequential":
-    n_trunk, head_blocks, heads = m.n_layers, n - 1, (n - 1) * (2 * (2 * d * d) + block)
-  else:
-    raise ValueError(f"config.model.heads.kind: got {kind!r}, allowed: 'parallel', "
-                     "'projection', 'sequential'")
+  kind = heads_lib.KINDS.get(m.heads.kind)
+  if kind is None:
+    raise ValueError(f"config.model.heads.kind: got {m.heads.kind!r}, allowed: "
+                     + ", ".join(map(repr, heads_lib.KINDS)))
+  try:
+    heads, head_blocks = kind.flops_per_token(m, block)
+  except NotImplementedError as e:
+    raise ValueError(str(e)) from None
+  n_trunk = kind.n_trunk(m)
   keys = S / 2 if causal_half else S
   out = {
       "trunk": float(n_trunk * block),

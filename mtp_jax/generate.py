@@ -19,60 +19,16 @@ if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU 
   from mtp_jax import runtime
   runtime.apply_cpu_defaults()
 
-import dataclasses
 import os
 import sys
 
-import ml_collections
 import numpy as np
 from absl import app, flags
 
 from mtp_jax import cli
-from mtp_jax import config as config_lib
 from mtp_jax import decode as decode_lib
 from mtp_jax import sampling as sampling_lib
-from mtp_jax import optimizer as optim_lib
-from mtp_jax import sharding as shard_lib
-from mtp_jax import steps as steps_lib
-from mtp_jax.checkpoint import Checkpointer
-from mtp_jax.data import tokenizers
-from mtp_jax.model import build_model
-
-
-@dataclasses.dataclass
-class Loaded:
-  config: ml_collections.ConfigDict
-  model: object
-  params: object
-  tokenizer: object
-  step: int
-
-
-def load_workdir(workdir: str) -> Loaded:
-  """Config, model, params (latest good checkpoint) and tokenizer of a training workdir, or of
-  one written by `mtp_jax.convert` (its checkpoint holds the params alone)."""
-  cfg_path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(cfg_path):
-    raise ValueError(f"--workdir: {workdir!r} has no config.json; train into it first with "
-                     f"python -m mtp_jax.train --workdir {workdir}")
-  config = config_lib.validate(config_lib.load_json(cfg_path))
-  model = build_model(config)
-  tx = optim_lib.make_optimizer(config)
-  mesh = shard_lib.make_mesh(config)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints,
-                      async_save=False)
-  try:
-    target = steps_lib.abstract_state(model, tx, config, mesh)
-    if ckpt.saved_keys() == {"params"}:  # imported by mtp_jax.convert: no optimizer state
-      target = {"params": target.params}
-    restored = ckpt.restore_latest(target)
-  finally:
-    ckpt.close()
-  if restored is None:
-    raise ValueError(f"--workdir: {workdir!r} has no checkpoint in checkpoints/")
-  state, step = restored
-  params = state["params"] if isinstance(state, dict) else state.params
-  return Loaded(config, model, params, tokenizers.get_tokenizer(config.data), step)
+from mtp_jax.workdir import Loaded, load_workdir  # noqa: F401  (generate.load_workdir)
 
 
 def encode_prompts(tokenizer, texts: list[str]) -> list[np.ndarray]:

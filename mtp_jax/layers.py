@@ -8,16 +8,14 @@ Every parameter carries logical axis names; `mtp_jax.sharding` maps them to mesh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from mtp_jax import attention, sharding
-
-if TYPE_CHECKING:  # for annotations only: config imports the heads, which import this module
-  from mtp_jax.config import ModelArgs
+from mtp_jax.model_args import ModelArgs
 
 Cache = dict[str, jax.Array]  # {"k": [B, L, K, E], "v": [B, L, K, E]}
 

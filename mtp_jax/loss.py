@@ -141,8 +141,10 @@ def mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
 
 
 def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunks: int = 1,
-             vocab_size: int | None = None):
-  """Per-head sums (nll, zsq, correct, agree, tokens; each [N]) of the memory-lean loss."""
+             vocab_size: int | None = None, frozen_heads: int = 0):
+  """Per-head sums (nll, zsq, correct, agree, tokens; each [N]) of the memory-lean loss. The
+  first `frozen_heads` heads get no gradient (optim.trainable = "heads": head 1 depends on
+  frozen params only), so their logits are never differentiated."""
   N, B, S, D = h_NxBxSxD.shape
   V = unembed_DxV.shape[1] if vocab_size is None else vocab_size
   C = token_chunks
@@ -163,8 +165,18 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
         (split(h_BxSxD), split(tgt_BxS), split(mask_BxS)))
     return None, (nll_C.sum(), zsq_C.sum(), jnp.moveaxis(pred_CxBxT, 0, 1).reshape(B, S))
 
-  _, (nll_N, zsq_N, pred_NxBxS) = jax.lax.scan(
-      jax.checkpoint(head, policy=_SAVE_NOTHING), None, (h_NxBxSxD, tgt_NxBxS, mask_NxBxS))
+  def scan(*xs):
+    return jax.lax.scan(jax.checkpoint(head, policy=_SAVE_NOTHING), None, xs)[1]
+
+  F = min(frozen_heads, N)
+  if F == 0:
+    nll_N, zsq_N, pred_NxBxS = scan(h_NxBxSxD, tgt_NxBxS, mask_NxBxS)
+  else:  # the first F heads forward only: no backward pass through their logits
+    frozen = scan(jax.lax.stop_gradient(h_NxBxSxD[:F]), tgt_NxBxS[:F], mask_NxBxS[:F])
+    nll_N, zsq_N, pred_NxBxS = frozen
+    if F < N:
+      rest = scan(h_NxBxSxD[F:], tgt_NxBxS[F:], mask_NxBxS[F:])
+      nll_N, zsq_N, pred_NxBxS = (jnp.concatenate(x) for x in zip(frozen, rest))
   return _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS)
 
 
@@ -195,13 +207,13 @@ def naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *,
   return _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS)
 
 
-def model_sums(params, model, config, batch):
+def model_sums(params, model, config, batch, frozen_heads: int = 0):
   """Forward the model and the per-head loss sums (`mtp_sums`) of a batch: what a train step
   accumulates over micro-batches."""
   h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
   return mtp_sums(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
                   batch.get("segment_ids"), token_chunks=config.loss.token_chunks,
-                  vocab_size=model.args.vocab_size)
+                  vocab_size=model.args.vocab_size, frozen_heads=frozen_heads)
 
 
 def model_loss(params, model, config, batch, *, naive: bool = False):

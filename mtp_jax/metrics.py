@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mtp_jax import workdir as workdir_lib
+
 KINDS = ("train", "eval")
 
 
@@ -93,7 +95,7 @@ class MetricsWriter:
     self.last: dict[str, dict[str, float]] = {kind: {} for kind in KINDS}
     self._out = out
     self._tb = SummaryWriter(workdir)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    self._jsonl = open(os.path.join(workdir, workdir_lib.METRICS), "a")
 
   def write(self, step: int, kind: str, values: dict[str, Any]):
     """`values` of kind "train" carry `tokens_per_sec` (for the console's ETA)."""

@@ -1,5 +1,5 @@
 """The MTP transformer: embedding, trunk (nn.scan + nn.remat over blocks), and a head kind from
-the registry in `heads.py`. `apply` returns per-head hidden states h_NxBxSxD (normalised) and,
+the registry in `heads/`. `apply` returns per-head hidden states h_NxBxSxD (normalised) and,
 when decoding, the updated KV cache; never the logits of all heads at once. The loss (and the
 decoder) unembed with `unembedding(params, args)`.
 
@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from mtp_jax import config as config_lib
 from mtp_jax import heads
-from mtp_jax.config import ModelArgs
+from mtp_jax import validation
+from mtp_jax.model_args import ModelArgs
 from mtp_jax.layers import Block, init_cache, norm_param, remat
 
 
@@ -93,8 +93,12 @@ class MTPModel(nn.Module):
 
 
 def model_args(config: ml_collections.ConfigDict) -> ModelArgs:
-  config_lib.validate(config)
-  return ModelArgs.from_config(config.model)
+  """The ModelArgs of `config` (validated, not changed): its head kind's presets expanded,
+  n_trunk from the kind, dtype a jnp dtype."""
+  validation.validate(config)
+  m = config.model
+  return ModelArgs.from_config(m, n_trunk=heads.KINDS[m.heads.kind].n_trunk(m),
+                               dtype=jnp.dtype(m.dtype), **validation.preset_values(m.heads))
 
 
 def build_model(config: ml_collections.ConfigDict) -> MTPModel:

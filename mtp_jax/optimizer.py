@@ -9,6 +9,11 @@ optimizer state and its update is exactly zero (steps.apply_updates then leaves 
 bit-identical, signed zeros included). A stack that holds head 1 too
 (parallel heads: blocks[0] is head 1's block) is trained as a whole leaf with the frozen slots'
 gradients and updates zeroed (`freeze_slots`): one block's moments are allocated, never used.
+
+The gradient itself skips the frozen model: `stop_frozen_gradients` puts a `lax.stop_gradient`
+on every frozen leaf and frozen slot before the forward pass (steps.make_grad_fn), so the trunk
+carries no tangent and its backward pass (and its remat recomputation) is never built; the
+backward covers heads 2..n (and the unembedding's input gradient) only.
 """
 
 from __future__ import annotations
@@ -71,6 +76,28 @@ def trainable_labels(params, trained: dict) -> object:
       lambda path, _: "train" if _names(path)[:2] in trained else "frozen", params)
 
 
+def _slot_mask(slots, x):
+  keep = jnp.zeros(x.shape[0], bool).at[jnp.asarray(slots)].set(True)
+  return keep.reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def stop_frozen_gradients(params, trained: dict):
+  """params with `lax.stop_gradient` on every leaf optim.trainable = "heads" freezes, and on the
+  frozen slots of a trained stack (head 1's block in a parallel stack): the same values, but
+  jax.grad builds no backward pass through the trunk (nor head 1's slot), and their gradients
+  come out as zeros, which the optimizer ignores anyway."""
+
+  def cut(path, x):
+    slots = trained.get(_names(path)[:2])
+    if slots is None:
+      return jax.lax.stop_gradient(x)
+    if len(slots) == x.shape[0]:
+      return x
+    return jnp.where(_slot_mask(slots, x), x, jax.lax.stop_gradient(x))
+
+  return jax.tree_util.tree_map_with_path(cut, params)
+
+
 def freeze_slots(trained: dict) -> optax.GradientTransformation:
   """Zeroes the slots of a trained stack that are not in `trained` (head 1's block in a
   parallel stack): before the clip and Adam its gradient, so it neither counts in the global
@@ -80,8 +107,7 @@ def freeze_slots(trained: dict) -> optax.GradientTransformation:
     slots = trained.get(_names(path)[:2])
     if slots is None or u is None or len(slots) == u.shape[0]:
       return u
-    keep = jnp.zeros(u.shape[0], bool).at[jnp.asarray(slots)].set(True)
-    return jnp.where(keep.reshape((-1,) + (1,) * (u.ndim - 1)), u, jnp.zeros_like(u))
+    return jnp.where(_slot_mask(slots, u), u, jnp.zeros_like(u))
 
   def update(updates, state, params=None):
     del params

@@ -5,9 +5,6 @@ draws from per-row uniforms, and the acceptance rule of speculative sampling (Le
 Randomness is per row: row b of a batch draws from jax.random.fold_in(key(seed), b), folded again
 with the position of the row's newest token, so a row's samples depend on its seed, its index in
 the prompt list and its own tokens, never on the other rows of the batch.
-
-Also what the sequential (DeepSeek-V3) depths read while decoding (`chain_reads`): the tokens
-that are known (prompt, accepted drafts, the new token) and, beyond them, their own drafts.
 """
 
 from __future__ import annotations
@@ -17,8 +14,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-from mtp_jax import heads
 
 
 class Params(NamedTuple):
@@ -44,7 +39,8 @@ def check(temperature: float, top_k: int, top_p: float, seed: int) -> None:
 
 def head_logits(h_BxSxD, unembed_DxV) -> jax.Array:
   """f32 logits of one head's states: the same op wherever a token is drawn from them, so the
-  sequential chain and the decoder draw the same draft from the same uniform."""
+  sequential chain (heads/sequential.py) and the decoder draw the same draft from the same
+  uniform."""
   return jnp.einsum("bsd,dv->bsv", h_BxSxD, unembed_DxV.astype(h_BxSxD.dtype),
                     preferred_element_type=jnp.float32)
 
@@ -130,47 +126,3 @@ def gained(drafts_BxK1, m_B, next_B) -> jax.Array:
   K = drafts_BxK1.shape[1] + 1
   d_BxK = jnp.concatenate([drafts_BxK1, next_B[:, None]], axis=1)
   return jnp.where(jnp.arange(K) < m_B[:, None], d_BxK, next_B[:, None]).astype(jnp.int32)
-
-
-def known_tokens(after_BxS, last_B, depths: int) -> jax.Array:
-  """[depths, B, S]: what sequential depth d reads at position s, x_{s+d}, where it is known
-  (after[s + d - 1] for s + d - 1 <= last; after[s] is the token after position s), else -1."""
-  B, S = after_BxS.shape
-  s_S = jnp.arange(S)
-  out = []
-  for d in range(1, depths + 1):
-    idx_S = s_S + d - 1
-    tok_BxS = jnp.take(after_BxS, jnp.minimum(idx_S, S - 1), axis=1)
-    out.append(jnp.where(idx_S[None] <= last_B[:, None], tok_BxS, -1))
-  return jnp.stack(out).astype(jnp.int32)
-
-
-def draft_tokens(out_BxSxD, unembed_DxV, sp: Params | None, u_B=None) -> jax.Array:
-  """[B, S] drafts of one head: its argmax (sp None) or its draw with the row's uniform."""
-  lg_BxSxV = head_logits(out_BxSxD, unembed_DxV)
-  if sp is None:
-    return jnp.argmax(lg_BxSxV, axis=-1).astype(jnp.int32)
-  return draw(probs(lg_BxSxV, sp), jnp.broadcast_to(u_B[:, None], lg_BxSxV.shape[:2]))
-
-
-def chain_reads(known_fn, unembed_DxV, sp: Params | None, u_DxB=None,
-                slots_BxN=None) -> heads.DecodeReads:
-  """What sequential depths read while decoding: known_fn(h1_BxSxD) -> (after_BxS, last_B) gives
-  the known tokens (teacher forcing wherever the next tokens are known: the prompt at prefill, the
-  accepted drafts and the new token in a cycle); beyond them depth d + 1 reads depth d's draft,
-  its argmax (sp None) or its draw with the row's uniform u_DxB[d - 1] (the uniform the decoder
-  draws the same draft with). slots_BxN: the only positions where a draft is read (prefill: the
-  prompt's last n_future - 1), so a long prompt is not unembedded at every position."""
-  def known(h1_BxSxD, depths):
-    after_BxS, last_B = known_fn(h1_BxSxD)
-    return known_tokens(after_BxS, last_B, depths)
-
-  def draft(u_B, out_BxSxD):
-    if slots_BxN is None:
-      return draft_tokens(out_BxSxD, unembed_DxV, sp, u_B)
-    out_BxNxD = jnp.take_along_axis(out_BxSxD, slots_BxN[..., None], axis=1)
-    rows_Bx1 = jnp.arange(out_BxSxD.shape[0])[:, None]
-    return jnp.zeros(out_BxSxD.shape[:2], jnp.int32).at[rows_Bx1, slots_BxN].set(
-        draft_tokens(out_BxNxD, unembed_DxV, sp, u_B))
-
-  return heads.DecodeReads(known=known, draft=draft, xs=u_DxB)

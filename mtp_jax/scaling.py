@@ -20,7 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from mtp_jax.data.config_checks import padded_vocab
+from mtp_jax import config as config_lib
+from mtp_jax import workdir as workdir_lib
+from mtp_jax.model_args import padded_vocab
 
 # The values of mtp_jax.sweep.RunStatus.DONE and .SKIPPED (RunStatus.ok) as sweep.json and
 # results.csv hold them; this module reads those files and does not import the sweep runner.
@@ -61,15 +63,15 @@ def acceptance_proxy(agree: list[float]) -> float:
   return total
 
 
-def _embedding_params(config: dict | None) -> int | None:
+def _embedding_params(config_path: str) -> int | None:
   """Parameters of the embedding (and of the untied output matrix): rows * d_model each, rows
-  the vocabulary padded to model.vocab_multiple (a config saved before the field existed has no
-  padding)."""
-  if not config:
+  the vocabulary padded to model.vocab_multiple (config.load_json: a config saved before the
+  field existed has no padding). None without the config."""
+  if not os.path.isfile(config_path):
     return None
-  m = config["model"]
-  rows = padded_vocab(m["vocab_size"], m.get("vocab_multiple", 1))
-  return rows * m["d_model"] * (1 if m.get("tie_embeddings", True) else 2)
+  m = config_lib.load_json(config_path).model
+  rows = padded_vocab(m.vocab_size, m.vocab_multiple)
+  return rows * m.d_model * (1 if m.tie_embeddings else 2)
 
 
 def gather_results(root: str) -> list[dict]:
@@ -86,7 +88,7 @@ def gather_results(root: str) -> list[dict]:
     raise ValueError(f"{root}: no sweep.json (run the sweep first)")
   runs = record["runs"]
   keys = list(dict.fromkeys(k for r in runs for k in r["overrides"]))
-  summaries = [read_json(os.path.join(r["workdir"], "summary.json")) or {} for r in runs]
+  summaries = [workdir_lib.read_summary(r["workdir"]) or {} for r in runs]
   max_n = max([int(s.get("n_future", 1)) for s in summaries] + [1])
   per_head = [f"eval/head{k}_{m}" for k in range(1, max_n + 1) for m in ("loss", "acc", "agree")]
   columns = (["name", "status"] + keys + ["head_kind", "n_future", "n_params", "n_params_nonembed",
@@ -96,8 +98,7 @@ def gather_results(root: str) -> list[dict]:
   for r, s in zip(runs, summaries):
     row = {"name": r["name"], "status": r["status"], **r["overrides"]}
     if s:
-      config = read_json(os.path.join(r["workdir"], "config.json"))
-      emb = _embedding_params(config)
+      emb = _embedding_params(workdir_lib.config_path(r["workdir"]))
       n_params, tokens = s["n_params"], s["tokens_seen"]
       row.update({k: s.get(k) for k in ("head_kind", "n_future", "n_params", "tokens_seen",
                                         "train/loss", "wall_seconds", "tokens_per_sec") + tuple(

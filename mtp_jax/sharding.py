@@ -30,7 +30,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-# config.mesh.distributed (here, not in config.py: config imports the head kinds, which import us)
+# config.mesh.distributed
 DISTRIBUTED_MODES = ("auto", "on", "off")
 
 log = logging.getLogger(__name__)

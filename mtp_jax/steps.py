@@ -9,9 +9,7 @@ checkable (`params_sha256` in a workdir's summary.json).
 
 from __future__ import annotations
 
-import filecmp
 import hashlib
-import os
 from typing import Any
 
 import flax
@@ -22,12 +20,10 @@ import ml_collections
 import numpy as np
 import optax
 
-from mtp_jax import config as config_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
-from mtp_jax.checkpoint import Checkpointer, checkpoint_dir
-from mtp_jax.model import MTPModel, build_model
+from mtp_jax.model import MTPModel
 
 
 @flax.struct.dataclass
@@ -72,57 +68,6 @@ def init_state(model, tx, config, mesh, rng) -> TrainState:
   return init(rng)
 
 
-def check_init_from(config, workdir: str) -> None:
-  """train.init_from names a workdir holding this config's params tree and tokenizer; else one
-  line naming the first difference (raised before the run writes anything)."""
-  field, hint = "config.train.init_from", "take config.model and config.data.tokenizer from it"
-  if not (os.path.isfile(os.path.join(workdir, "config.json"))
-          and os.path.isdir(os.path.join(workdir, "checkpoints"))):
-    raise ValueError(f"{field}: {workdir!r} is not a workdir with config.json and checkpoints/ "
-                     "(e.g. one written by python -m mtp_jax.convert from-hf)")
-  source = config_lib.validate(config_lib.load_json(os.path.join(workdir, "config.json")))
-
-  def shapes(c):
-    model = build_model(c)
-    tree = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), _dummy_tokens(c))["params"])
-    leaves = jax.tree_util.tree_flatten_with_path(nn.unbox(tree))[0]
-    return {"/".join(str(getattr(k, "key", k)) for k in p): s.shape for p, s in leaves}
-
-  ours, theirs = shapes(config), shapes(source)
-  for name in sorted(set(ours) | set(theirs)):
-    if ours.get(name) != theirs.get(name):
-      raise ValueError(f"{field}: {workdir!r} holds another model (param {name}: "
-                       f"{theirs.get(name)} there, {ours.get(name)} here); {hint} (configs/"
-                       "finetune.py does)")
-  d, s = config.data, source.data
-  if d.tokenizer != s.tokenizer or (d.tokenizer == "sentencepiece" and not (
-      os.path.isfile(d.spm_path) and filecmp.cmp(d.spm_path, s.spm_path, shallow=False))):
-    raise ValueError(f"{field}: {workdir!r} was made with the {s.tokenizer} tokenizer "
-                     f"{s.spm_path!r}, this config reads {d.tokenizer} {d.spm_path!r}; {hint}")
-
-
-def init_state_from(model, tx, config, mesh, workdir: str) -> TrainState:
-  """train.init_from: the params of `workdir`'s latest checkpoint (mtp_jax.convert's params-only
-  one, or a run's, restored with that run's own optimizer tree and its moments dropped), on this
-  run's shardings, with a fresh optimizer state at step 0: a new run, not a resume."""
-  source = config_lib.load_json(os.path.join(workdir, "config.json"))
-  target = abstract_state(model, optim_lib.make_optimizer(source), config, mesh)
-  with Checkpointer(checkpoint_dir(workdir), async_save=False) as ckpt:
-    if ckpt.saved_keys() == {"params"}:
-      target = {"params": target.params}
-    restored = ckpt.restore_latest(target)
-  if restored is None:
-    raise ValueError(f"config.train.init_from: {workdir!r} has no checkpoint in checkpoints/")
-  state = restored[0]
-  params = state["params"] if isinstance(state, dict) else state.params
-  del state, restored
-  shardings = state_shardings(model, tx, config, mesh)
-  fresh = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
-                                       opt_state=tx.init(p)),
-                  out_shardings=shardings, donate_argnums=0)
-  return fresh(params)
-
-
 def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
   """Pure (params, batch) -> (grads, metrics) of the weighted per-head loss (loss.py).
 
@@ -137,8 +82,15 @@ def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
   weights_N = loss_lib.head_weights(config)
   z_loss = config.loss.z_loss
 
+  # optim.trainable = "heads": frozen params behind lax.stop_gradient (no trunk backward), and
+  # head 1's loss, which depends on frozen params only, outside the gradient.
+  heads_only = config.optim.trainable == "heads"
+  trained = optim_lib.trained_slots(config) if heads_only else None
+
   def objective(params, batch, count_N):
-    sums = loss_lib.model_sums(params, model, config, batch)
+    if heads_only:
+      params = optim_lib.stop_frozen_gradients(params, trained)
+    sums = loss_lib.model_sums(params, model, config, batch, frozen_heads=int(heads_only))
     return loss_lib.weighted_loss(sums, weights_N, z_loss, count_N), sums
 
   grads_and_sums = jax.grad(objective, has_aux=True)
@@ -176,13 +128,13 @@ def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
   grad_fn = make_grad_fn(model, config)
   # Frozen params must stay bit-identical; elsewhere optax's plain sum is all a step needs.
   update_params = apply_updates if config.optim.trainable == "heads" else optax.apply_updates
-  nan_steps = jnp.asarray(list(config.train.debug_nonfinite_steps) or [-1], jnp.int32)
+  nan_steps = tuple(config.train.debug_nonfinite_steps)
 
   def train_step(state: TrainState, batch):
     grads, metrics = grad_fn(state.params, batch)
-    # Fault injection for the reliability tests: config.train.debug_nonfinite_steps.
-    poison = jnp.any(nan_steps == state.step)
-    grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
+    if nan_steps:  # fault injection for the reliability tests only: traced when asked for
+      poison = jnp.any(jnp.asarray(nan_steps, jnp.int32) == state.step)
+      grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = update_params(state.params, updates)
     consecutive, total = optim_lib.nonfinite_counts(opt_state)

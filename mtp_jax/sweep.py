@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from mtp_jax import scaling
 from mtp_jax import scheduler
+from mtp_jax import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the train CLI prints once data and checkpoint are ready (train.py): past this line a run no
@@ -169,7 +170,7 @@ class RunStatus(enum.Enum):
 
 def check_workdir(sweep: Sweep, run: Run, workdir: str) -> tuple[WorkdirState, str]:
   """(state, detail), detail being why a MISMATCH is one, or where a RESUME starts."""
-  saved = scaling.read_json(os.path.join(workdir, "config.json"))
+  saved = scaling.read_json(workdir_lib.config_path(workdir))  # what was saved, not defaults
   if saved is not None:
     for key, wanted in sweep.overrides(run).items():
       value = saved
@@ -179,14 +180,13 @@ def check_workdir(sweep: Sweep, run: Run, workdir: str) -> tuple[WorkdirState, s
         return WorkdirState.MISMATCH, (
             f"{workdir} holds a run with {key}={flag_value(value)}, the sweep asks for "
             f"{flag_value(wanted)}: remove it or rename the run")
-  summary = scaling.read_json(os.path.join(workdir, "summary.json"))
+  summary = workdir_lib.read_summary(workdir)
   overrides = sweep.overrides(run)
   if summary and not summary.get("interrupted") and summary.get("step") == summary.get("steps"):
     wanted = overrides.get("train.steps")
     if wanted is None or int(wanted) == summary["steps"]:
       return WorkdirState.FINISHED, f"step {summary['step']}"
-  ckpts = os.path.join(workdir, "checkpoints")
-  steps = [int(n) for n in os.listdir(ckpts) if n.isdigit()] if os.path.isdir(ckpts) else []
+  steps = workdir_lib.checkpoint_steps(workdir)
   if steps:
     return WorkdirState.RESUME, f"from step {max(steps)}"
   return WorkdirState.NEW, ""
@@ -304,7 +304,7 @@ def run_sweep(sweep: Sweep, root: str, parallel: int = 1, *, dry_run: bool = Fal
     nonlocal finished
     r = by_name[job.name]
     r.returncode, r.seconds = rc, round(secs, 1)
-    summary = scaling.read_json(os.path.join(r.workdir, "summary.json")) or {}
+    summary = workdir_lib.read_summary(r.workdir) or {}
     if rc == 0 and summary.get("step") == summary.get("steps") and not summary.get("interrupted"):
       r.status = RunStatus.DONE
       trained_secs.append(secs)

@@ -30,6 +30,7 @@ import numpy as np
 from absl import flags
 
 from mtp_jax import cli
+from mtp_jax import workdir as workdir_lib
 from mtp_jax.data import builders
 from mtp_jax.data import tasks
 from mtp_jax.data import tokenizers
@@ -120,8 +121,7 @@ def head1_predictor(params, args) -> Predict:
 def evaluate_workdir(workdir: str, *, splits=None, batch_size: int = 64,
                      limit: int | None = None) -> dict:
   """{"task", "step", <split>: metrics} for every evaluation split (all but train)."""
-  from mtp_jax.generate import load_workdir  # pylint: disable=import-outside-toplevel
-  loaded = load_workdir(workdir)
+  loaded = workdir_lib.load_workdir(workdir)
   data = loaded.config.data
   if data.corpus not in tasks.TASKS:
     raise ValueError(f"--workdir: {workdir!r} trained on {data.corpus!r}, not a task "

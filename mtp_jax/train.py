@@ -29,11 +29,12 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mtp_jax import cli
-from mtp_jax import config as config_lib
 from mtp_jax import flops as flops_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
+from mtp_jax import validation
+from mtp_jax import workdir as workdir_lib
 from mtp_jax.checkpoint import Checkpointer
 from mtp_jax.data import pipeline, tokenizers
 from mtp_jax.metrics import MetricsWriter, machine, write_summary
@@ -73,43 +74,14 @@ def check_inputs(config: ml_collections.ConfigDict, workdir: str | None):
     raise ValueError("--workdir: required, the folder for checkpoints and metrics")
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ValueError(f"--workdir: {workdir!r} exists and is not a folder")
-  config_lib.validate(config)
+  validation.resolve(config)  # checks, then expands the head kinds' presets (saved so)
   if config.train.init_from:
-    steps_lib.check_init_from(config, config.train.init_from)
+    workdir_lib.check_init_from(config, config.train.init_from)
   tok = tokenizers.get_tokenizer(config.data)
   if tok.vocab_size > config.model.vocab_size:
     raise ValueError(f"config.model.vocab_size: the {config.data.tokenizer} tokenizer has "
                      f"{tok.vocab_size} ids, so it must be >= {tok.vocab_size}, got "
                      f"{config.model.vocab_size}")
-
-
-# Model fields that change how the same parameters are computed, not what they are: a run may
-# resume with other values (e.g. a faster remat policy or attention kernel).
-RUNTIME_MODEL_FIELDS = frozenset({"remat_policy", "attention_impl", "dtype", "max_len",
-                                  "heads.parallel_stack"})
-
-
-def check_resume(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """A workdir with checkpoints resumes with the model it was trained with: a model field that
-  differs (e.g. a default changed since, such as model.vocab_multiple) is one line naming it,
-  before config.json is overwritten, so nothing already saved is lost."""
-  saved_path = os.path.join(workdir, "config.json")
-  ckpts = os.path.join(workdir, "checkpoints")
-  if not (os.path.isfile(saved_path) and os.path.isdir(ckpts) and any(
-      name.isdigit() for name in os.listdir(ckpts))):
-    return
-  saved = config_lib.load_json(saved_path).model.to_dict()
-  wanted = config.model.to_dict()
-  flat = lambda d, pre="": {k2: v2 for k, v in d.items() for k2, v2 in (
-      flat(v, f"{pre}{k}.").items() if isinstance(v, dict) else [(f"{pre}{k}", v)])}
-  saved, wanted = flat(saved), flat(wanted)
-  for field in sorted(set(wanted) - RUNTIME_MODEL_FIELDS):
-    norm = lambda v: list(v) if isinstance(v, tuple) else v  # JSON has lists, configs tuples
-    if field in saved and norm(saved[field]) != norm(wanted[field]):
-      raise ValueError(
-          f"config.model.{field}: {workdir} has checkpoints of a model with {saved[field]!r}, "
-          f"got {wanted[field]!r}; pass --config.model.{field}={saved[field]} to resume it, or "
-          "use a new --workdir")
 
 
 def evaluate(eval_step, params, config, batch_sharding) -> dict:
@@ -134,12 +106,13 @@ def evaluate(eval_step, params, config, batch_sharding) -> dict:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs (or resumes) training to config.train.steps; returns the summary it writes."""
   t_start = time.time()
+  validation.resolve(config)  # what it runs and saves in config.json: presets expanded
   shard_lib.maybe_initialize_distributed(config.mesh.distributed)  # before process_index is read
   train_it = pipeline.make_iterator(config, "train")
   next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now, not at eval
-  check_resume(config, workdir)
+  workdir_lib.check_resume(config, workdir)
   os.makedirs(workdir, exist_ok=True)
-  config_lib.save_json(config, os.path.join(workdir, "config.json"))
+  workdir_lib.write_config(config, workdir)
 
   mesh = shard_lib.make_mesh(config)
   shard_lib.check_batch(config, mesh)
@@ -147,11 +120,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   tx = optim_lib.make_optimizer(config)
   state_sh = steps_lib.state_shardings(model, tx, config, mesh)
   batch_sh = shard_lib.batch_sharding(mesh)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints,
+  ckpt = Checkpointer(workdir_lib.checkpoints_dir(workdir), keep=config.train.keep_checkpoints,
                       async_save=config.train.async_checkpoints)
   restored = ckpt.restore_latest(steps_lib.abstract_state(model, tx, config, mesh), train_it)
   if restored is None and config.train.init_from:  # a new run from imported or trained params
-    state = steps_lib.init_state_from(model, tx, config, mesh, config.train.init_from)
+    state = workdir_lib.init_state_from(model, tx, config, mesh, config.train.init_from)
   elif restored is None:
     state = steps_lib.init_state(model, tx, config, mesh, jax.random.PRNGKey(config.seed))
   else:
@@ -173,7 +146,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   tokens_per_step = config.train.batch_size * config.data.seq_len
   try:
     flops_per_token = flops_lib.flops_per_token(config)["total"]
-  except ValueError as e:  # a head kind flops.py cannot count yet: train on, without MFU
+  except ValueError as e:  # a head kind without HeadKind.flops_per_token: train on, without MFU
     logging.warning("no MFU: %s", e)
     flops_per_token = None
   peak_flops, peak_source = flops_lib.peak_flops_per_device(config.model.dtype)
@@ -181,7 +154,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         if flops_per_token else None)
   writer = MetricsWriter(workdir, total_steps=steps, tokens_per_step=tokens_per_step,
                          mfu=mfu_of)
-  batches_f = open(os.path.join(workdir, "batches.log"), "a")
+  batches_f = open(workdir_lib.batches_path(workdir), "a")
   pending = None
   t_log, step_log, t_first = time.time(), start, None
 
@@ -259,7 +232,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if not trained:
     print(f"nothing to train: already at step {step} (this run ends at {end}); summary.json "
           "keeps the figures of the steps that were trained", flush=True)
-  return write_summary(os.path.join(workdir, "summary.json"), summary, trained=trained)
+  return write_summary(workdir_lib.summary_path(workdir), summary, trained=trained)
 
 
 def cli_main(flags_) -> int:

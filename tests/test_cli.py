@@ -148,14 +148,16 @@ def test_require_skips_locally_and_fails_under_ci(monkeypatch):
 # one after another in one process (runpy, as `python -m` / `python script.py` would): three
 # processes in all, started at once.
 _MODULES = ["mtp_jax.train", "mtp_jax.generate"]
-_IN_ONE = ([("module", "mtp_jax.data.prepare", []), ("module", "mtp_jax.tasks_eval", [])]
-           + [("module", "mtp_jax.convert", [sub]) for sub in ("", "meta", "deepseek",
-                                                          "from-hf", "to-hf")]
+_IN_ONE = ([("module", "mtp_jax.data.prepare", []), ("module", "mtp_jax.tasks_eval", []),
+            ("module", "mtp_jax.data.distill", [])]
+           + [("module", "mtp_jax.convert", [sub]) for sub in (
+               "", "meta", "deepseek", "from-hf", "to-hf", "to-meta", "to-deepseek")]
            + [("module", "mtp_jax.data.tokenizers", [sub]) for sub in ("", "train")]
            + [("script", f"experiments/{s}.py", []) for s in (
                "analyze_sweep", "bench_accel", "bench_cpu_defaults", "bench_data",
-               "bench_decode", "bench_memory", "bench_sandbox", "bench_train",
-               "decode_acceptance", "demo_report", "plan_memory", "small_tasks", "sweep")])
+               "bench_decode", "bench_finetune", "bench_memory", "bench_sandbox", "bench_train",
+               "decode_acceptance", "demo_report", "distill_heads", "plan_memory",
+               "small_tasks", "sweep")])
 _RUN_IN_ONE = """
 import json, runpy, sys
 for kind, target, args in json.loads(sys.argv[1]):

@@ -10,7 +10,8 @@ import pytest
 
 from mtp_jax import config as config_lib
 from mtp_jax import heads
-from mtp_jax.model import build_model, init_params, param_count
+from mtp_jax import validation
+from mtp_jax.model import build_model, init_params, model_args, param_count
 
 
 def _set_head_weights(c, weights):
@@ -66,64 +67,70 @@ BAD = [
 @pytest.mark.parametrize("mutate,field,fragment", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_config_raises_naming_the_field(make_config, mutate, field, fragment):
   c = make_config("parallel", 2)
-  config_lib.validate(c)  # valid before the mutation
+  validation.validate(c)  # valid before the mutation
   mutate(c)
   with pytest.raises(ValueError, match=rf"^config\.{field}: ") as err:
-    config_lib.validate(c)
+    validation.validate(c)
   assert fragment in str(err.value)
   with pytest.raises(ValueError, match=rf"^config\.{field}: "):
     build_model(c)  # the model validates at construction too
 
 
 def test_base_and_tiny_configs_validate(make_config):
-  config_lib.validate(config_lib.base_config())
-  for kind in config_lib.HEAD_KINDS:
-    config_lib.validate(make_config(kind, 4))
+  validation.validate(config_lib.base_config())
+  for kind in heads.KINDS:
+    validation.validate(make_config(kind, 4))
 
 
 def test_n_future_above_n_layers_is_fine_for_other_kinds(make_config):
   # Only parallel heads take their blocks from the trunk.
   for kind in ("projection", "sequential"):
-    config_lib.validate(make_config(kind, 6))
+    validation.validate(make_config(kind, 6))
 
 
 def test_head_weight_list_of_right_length_validates(make_config):
   c = make_config("parallel", 2)
   _set_head_weights(c, [1.0, 0.5])
-  config_lib.validate(c)
+  validation.validate(c)
 
 
 def test_head_weight_string_list_from_the_command_line(make_config, tmp_path):
   """ConfigDict is type-safe, so a per-head list is spelled "1,0.5" (what a CLI override is)."""
   c = make_config("parallel", 2)
   c.loss.head_weights = "1,0.5"
-  config_lib.validate(c)
+  validation.validate(c)
   from mtp_jax.loss import head_weights
   assert head_weights(c).tolist() == [1.0, 0.5]
   c.loss.head_weights = "1,0.5,0.25"
   with pytest.raises(ValueError, match="config.loss.head_weights: .*one weight per head"):
-    config_lib.validate(c)
+    validation.validate(c)
 
 
 def test_custom_seq_fields_conflicting_with_preset_are_an_error(make_config):
   c = make_config("sequential", 3)
   c.model.heads.seq_concat = "hidden_first"  # but seq_preset is still "deepseek_v3"
   with pytest.raises(ValueError, match="config.model.heads.seq_preset"):
-    config_lib.validate(c)
+    validation.validate(c)
   c.model.heads.seq_preset = ""
-  config_lib.validate(c)
+  validation.validate(c)
   assert c.model.heads.seq_concat == "hidden_first"
 
 
 @pytest.mark.parametrize("preset", sorted(heads.SequentialHeads.presets))
 def test_seq_preset_sets_its_three_fields(make_config, preset):
+  """validate checks and leaves the config as it is; the model reads the preset's fields;
+  validation.resolve (the entry points' step) writes them into the config."""
   c = make_config("sequential", 3)
   c.model.heads.seq_preset = preset
-  config_lib.validate(c)
-  h = c.model.heads
+  before = c.to_dict()
+  validation.validate(c)
+  assert c.to_dict() == before
   fields = heads.SequentialHeads.presets[preset]
   assert sorted(fields) == ["seq_concat", "seq_output_norm", "seq_trunk_state"]
-  assert {f: h[f] for f in fields} == fields
+  args = model_args(c)
+  assert {f: getattr(args, f) for f in fields} == fields and c.to_dict() == before
+  assert validation.resolve(c) is c
+  assert {f: c.model.heads[f] for f in fields} == fields
 
 
 def test_empty_seq_preset_keeps_custom_fields(make_config):
@@ -131,7 +138,7 @@ def test_empty_seq_preset_keeps_custom_fields(make_config):
   c.model.heads.seq_preset = ""
   c.model.heads.seq_concat, c.model.heads.seq_trunk_state = "hidden_first", "pre_norm"
   c.model.heads.seq_output_norm = "shared"
-  config_lib.validate(c)
+  validation.validate(c)
   assert (c.model.heads.seq_concat, c.model.heads.seq_trunk_state,
           c.model.heads.seq_output_norm) == ("hidden_first", "pre_norm", "shared")
 
@@ -159,18 +166,18 @@ FLOAT_FIELDS = _float_fields(config_lib.base_config())
 
 def test_every_float_field_has_a_range():
   assert len(FLOAT_FIELDS) >= 12, FLOAT_FIELDS  # the walk finds them
-  assert sorted(FLOAT_FIELDS) == sorted(config_lib.FLOAT_RANGES)
+  assert sorted(FLOAT_FIELDS) == sorted(validation.FLOAT_RANGES)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("field", FLOAT_FIELDS)
 def test_non_finite_float_is_an_error(make_config, field, value):
   c = make_config("parallel", 2)
-  config_lib.validate(c)
+  validation.validate(c)
   _set(field, value)(c)
   with pytest.raises(ValueError, match=rf"^config\.{field}: must be a finite number .*, got "
                      rf"-?(nan|inf)$"):
-    config_lib.validate(c)
+    validation.validate(c)
 
 
 # Values just outside each range (worked out from what the code does with them), and the
@@ -190,26 +197,26 @@ def test_float_out_of_range_is_an_error(make_config, field, value):
   c = make_config("parallel", 2)
   _set(field, value)(c)
   with pytest.raises(ValueError, match=rf"^config\.{field}: must be a finite number "):
-    config_lib.validate(c)
+    validation.validate(c)
 
 
 def test_float_range_edges_validate(make_config):
   for field, value in IN_RANGE:
     c = make_config("parallel", 2)
     _set(field, value)(c)
-    config_lib.validate(c)
+    validation.validate(c)
 
 
 def test_head_weight_list_must_be_finite(make_config):
   c = make_config("parallel", 2)
   c.loss.head_weights = "1,nan"
   with pytest.raises(ValueError, match=r"^config\.loss\.head_weights: .*finite"):
-    config_lib.validate(c)
+    validation.validate(c)
 
 
 def test_nan_learning_rate_message():
   c = config_lib.base_config()
   c.optim.lr = float("nan")
   with pytest.raises(ValueError) as err:
-    config_lib.validate(c)
+    validation.validate(c)
   assert str(err.value) == "config.optim.lr: must be a finite number > 0, got nan"

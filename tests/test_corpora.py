@@ -17,6 +17,7 @@ import tensorflow_datasets as tfds
 from conftest import require
 
 from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax.data import corpora, pipeline, prepare, tokenizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +88,7 @@ def prepared(root, jsonl):
 def _config(**data):
   c = config_lib.load_file(os.path.join(ROOT, "configs/tiny.py"))
   c.data.update(data)
-  return config_lib.validate(c)
+  return validation.validate(c)
 
 
 def _tfds_config(data_dir, **extra):

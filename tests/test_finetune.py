@@ -20,6 +20,7 @@ from flax.traverse_util import flatten_dict  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from mtp_jax import config as config_lib  # noqa: E402
+from mtp_jax import validation  # noqa: E402
 from mtp_jax import convert, generate, train  # noqa: E402
 from mtp_jax import decode as decode_lib  # noqa: E402
 from mtp_jax import loss as loss_lib  # noqa: E402
@@ -140,7 +141,7 @@ def _finetune_config(imported, corpus, steps):
   c.train.eval_batches, c.train.async_checkpoints = 1, False
   c.optim.lr, c.optim.warmup_steps = 1e-2, 1
   c.model.remat_policy = "none"
-  return config_lib.validate(c)
+  return validation.validate(c)
 
 
 def test_heads_only_finetuning(ckpts, tmp_path, capsys):
@@ -227,7 +228,7 @@ def test_errors_are_one_line_and_write_nothing(ckpts, tmp_path, capsys):
   c.optim.trainable = "heads"
   with pytest.raises(ValueError, match=r"^config.optim.trainable: 'heads' trains heads 2..n "
                      r"and model.n_future is 1"):
-    config_lib.validate(c)
+    validation.validate(c)
 
 
 def test_init_from_checks_the_model(ckpts, tmp_path):
@@ -253,7 +254,7 @@ def test_heads_only_allocates_no_state_for_frozen_params(kind, make_config, make
   2..n only, whatever the gradients of the rest."""
   c = make_config(kind, 3)
   c.optim.trainable, c.optim.warmup_steps = "heads", 0
-  _, params = make_model(config_lib.validate(c))
+  _, params = make_model(validation.validate(c))
   tx = optim_lib.make_optimizer(c)
   state = tx.init(params)
   stack = {"parallel": "blocks", "projection": "mlps", "sequential": "depths"}[kind]

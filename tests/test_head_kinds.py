@@ -11,8 +11,9 @@ import numpy as np
 import optax
 import pytest
 
-from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax import decode as decode_lib
+from mtp_jax import flops as flops_lib
 from mtp_jax import heads
 from mtp_jax.layers import rms_norm
 from mtp_jax.loss import model_loss
@@ -24,6 +25,10 @@ CYCLE = [3, 7, 1, 9, 4, 12, 6, 10]
 class BiasHeads(heads.HeadKind):
   """Head i is the trunk state plus a learned bias b_i, then the shared final norm."""
   stacks = {"bias": 1}  # params["heads"]["bias"][i] is head i + 1
+
+  @classmethod
+  def flops_per_token(cls, m, block):
+    return 0, 0  # a bias add: no matmul, no attention
 
   @nn.compact
   def __call__(self, z_BxSxD, s: heads.Shared, cache=None):
@@ -49,7 +54,7 @@ def test_registering_a_name_twice_is_an_error(bias_kind):
 
 def test_unregistered_kind_is_a_config_error(make_config):
   with pytest.raises(ValueError, match=r"^config\.model\.heads\.kind: got 'bias'"):
-    config_lib.validate(make_config("bias", 3))
+    validation.validate(make_config("bias", 3))
 
 
 def test_new_kind_in_one_class_trains_and_decodes(bias_kind, make_config):
@@ -81,6 +86,12 @@ def test_new_kind_in_one_class_trains_and_decodes(bias_kind, make_config):
   assert head_loss.shape == (3,)
   assert float(jnp.abs(params["heads"]["bias"] - bias_before).max()) > 0  # the heads train
 
+  # FLOPs: the kind counts its own (none), flops.py the trunk of n_layers blocks and the rest.
+  f, m = flops_lib.flops_per_token(c), c.model
+  block = flops_lib._block(m.d_model, m.n_heads, m.n_kv_heads, m.d_ff)  # pylint: disable=protected-access
+  assert f["heads"] == 0 and f["trunk"] == 3 * m.n_layers * block
+  assert f["unembedding"] == 3 * 3 * 2 * m.d_model * m.vocab_size
+
   kw = dict(max_new_tokens=12, eos_id=-1, pad_id=0)
   prompts = [[3, 7], [9], [6, 10, 3, 7, 1]]
   g = decode_lib.greedy(params, model.args, prompts, **kw)
@@ -88,6 +99,19 @@ def test_new_kind_in_one_class_trains_and_decodes(bias_kind, make_config):
     s = decode_lib.decode(params, model.args, prompts, k=k, **kw)
     np.testing.assert_array_equal(s.tokens, g.tokens)
     np.testing.assert_array_equal(s.lengths, g.lengths)
+
+
+class Uncounted(heads.HeadKind):
+  """A kind that does not count its FLOPs (no flops_per_token)."""
+
+
+def test_kind_without_flops_hook_is_one_clear_error(make_config):
+  heads.register("uncounted")(Uncounted)
+  try:
+    with pytest.raises(ValueError, match=r"^head kind 'uncounted' does not count its FLOPs "):
+      flops_lib.flops_per_token(make_config("uncounted", 2))
+  finally:
+    heads.unregister("uncounted")
 
 
 def _abstract(config):
@@ -99,7 +123,7 @@ def _shapes(tree):
   return jax.tree.map(lambda x: tuple(x.shape), tree)
 
 
-@pytest.mark.parametrize("kind", config_lib.HEAD_KINDS)
+@pytest.mark.parametrize("kind", tuple(heads.KINDS))
 def test_layout_every_stacked_index_is_one_head(make_config, kind):
   """head_params(j) for j = 1..n names every index of every stack exactly once."""
   n = 3
@@ -121,7 +145,7 @@ def test_layout_every_stacked_index_is_one_head(make_config, kind):
     assert cls.head_params(1) == []  # head 1 is the trunk itself
 
 
-@pytest.mark.parametrize("kind", config_lib.HEAD_KINDS)
+@pytest.mark.parametrize("kind", tuple(heads.KINDS))
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_slice_params_is_the_heads_of_a_k_head_model(make_config, kind, k):
   params = _abstract(make_config(kind, 3))

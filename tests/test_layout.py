@@ -1,4 +1,4 @@
-"""The layout the code promises (docs/STYLE.md): no import cycle inside mtp_jax, counting imports
+"""The layout the code promises: no import cycle inside mtp_jax, counting imports
 inside functions too (a local import only defers a cycle), and no module over 400 lines. Read
 from the source with `ast`; nothing is imported."""
 
@@ -26,8 +26,7 @@ def module_names(root: str, package: str) -> dict[str, str]:
 
 def _runtime_nodes(tree: ast.AST):
   """Every node, except the bodies of `if TYPE_CHECKING:` blocks: imports that only type
-  checkers read (heads.py and layers.py annotate with config.ModelArgs, and config imports
-  heads) are never executed, so they cannot form an import cycle."""
+  checkers read are never executed, so they cannot form an import cycle."""
   stack = [tree]
   while stack:
     node = stack.pop()
@@ -145,3 +144,14 @@ def test_no_file_over_400_lines():
           if n > MAX_LINES:
             long.append(f"{os.path.relpath(path, ROOT)} ({n} lines)")
   assert not long, f"over {MAX_LINES} lines: " + ", ".join(long)
+
+
+def test_config_imports_no_jax():
+  """Reading a config loads no JAX and nothing from mtp_jax but the JAX-free ModelArgs."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  code = ("import sys, mtp_jax.config; print(sorted(m for m in sys.modules "
+          "if m == 'jax' or m.startswith('mtp_jax.')))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       check=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout
+  assert out.strip() == "['mtp_jax.config', 'mtp_jax.model_args']", out

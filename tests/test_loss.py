@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from mtp_jax import config as config_lib
+from mtp_jax import heads
 from mtp_jax.loss import (head_weights, model_loss, mtp_loss, naive_mtp_loss,
                           targets_and_mask)
 from mtp_jax.model import logits
@@ -68,7 +68,7 @@ def _hand_head_loss(logits_NxBxSxV, masks):
   return np.asarray(out)
 
 
-@pytest.mark.parametrize("kind", config_lib.HEAD_KINDS)
+@pytest.mark.parametrize("kind", tuple(heads.KINDS))
 def test_model_loss_shift_every_kind(make_config, make_model, kind):
   """model_loss with and without segment ids against the literal targets, for each head kind."""
   n = 4

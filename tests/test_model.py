@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp_jax.config import HEAD_KINDS
+from mtp_jax.heads import KINDS
 from mtp_jax.model import build_model, init_decode_cache, init_params, param_count
 
 S_DEP = 8  # sequence length of the dependency tests
@@ -22,7 +22,7 @@ def _shapes(params):
   return jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), params)
 
 
-@pytest.fixture(scope="module", params=HEAD_KINDS)
+@pytest.fixture(scope="module", params=tuple(KINDS))
 def dependencies(request, make_config, make_model):
   """(kind, plain, packed): dep[i, t, s] = |d <h[i, 0, t], r> / d emb[0, s]|_1 for a fixed random
   direction r, without and with the segment ids above; exactly 0 where h[i, t] cannot see s."""
@@ -252,7 +252,7 @@ def test_sequential_variants_change_what_they_should(make_config, make_model):
       assert diff > 1e-2, (name, depth, diff)
 
 
-@pytest.mark.parametrize("kind", HEAD_KINDS)
+@pytest.mark.parametrize("kind", tuple(KINDS))
 def test_kv_cache_matches_full_forward(make_config, make_model, kind):
   """One cached pass, and a prefix then the rest with positions continuing, give the no-cache
   h. Sequential depths read x_{t+k}, which the prefix pass cannot know near its end, so after a

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mtp_jax import config as config_lib
+from mtp_jax import validation
 from mtp_jax import tasks_eval
 from mtp_jax.data import builders
 from mtp_jax.data import config_checks
@@ -30,7 +31,7 @@ def _config(task, data_dir, **data):
   c.train.batch_size = 4
   for field, value in data.items():
     setattr(c.data, field, value)
-  return config_lib.validate(c)
+  return validation.validate(c)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +187,7 @@ def test_bad_task_config_is_one_line_naming_the_field(task, field, value, named,
   c = _config(task, tmp_path)
   setattr(c.data, field, value)
   with pytest.raises(ValueError, match=rf"^config\.{named}: [^\n]*$"):
-    config_lib.validate(c)
+    validation.validate(c)
 
 
 def test_ood_longer_than_max_len_is_refused(tmp_path):
@@ -194,7 +195,7 @@ def test_ood_longer_than_max_len_is_refused(tmp_path):
   c.model.max_len = 64
   c.data.poly_ood_ops = 9
   with pytest.raises(ValueError, match=r"^config\.model\.max_len: .*test_ood"):
-    config_lib.validate(c)
+    validation.validate(c)
 
 
 # The evaluator.

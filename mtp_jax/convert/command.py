@@ -9,12 +9,13 @@ from absl import flags, logging
 
 from mtp_jax import cli
 from mtp_jax import config as config_lib
-from mtp_jax.convert import from_hf, workdir
+from mtp_jax.convert import export, from_hf, workdir
 
 USAGE = """usage:
   python -m mtp_jax.convert meta --ckpt DIR --out WORKDIR [--tokenizer PATH]
   python -m mtp_jax.convert deepseek --ckpt DIR --out WORKDIR [--tokenizer PATH]
   python -m mtp_jax.convert to-hf --workdir WORKDIR --out DIR
+  python -m mtp_jax.convert to-meta|to-deepseek --workdir WORKDIR --out DIR
   python -m mtp_jax.convert from-hf --ckpt DIR --out WORKDIR --n_future 4 \
       --heads parallel|projection|sequential [--init_heads copy|random] [--tokenizer PATH]"""
 
@@ -33,7 +34,7 @@ def _define_import(fv: flags.FlagValues) -> None:
 def _define_from_hf(fv: flags.FlagValues) -> None:
   _define_import(fv)
   flags.DEFINE_integer("n_future", None, "heads, head 1 included (>= 2)", flag_values=fv)
-  flags.DEFINE_enum("heads", None, list(config_lib.HEAD_KINDS), "head kind", flag_values=fv)
+  flags.DEFINE_string("heads", None, "head kind (a name in mtp_jax.heads.KINDS)", flag_values=fv)
   flags.DEFINE_enum("init_heads", "copy", list(from_hf.INIT_HEADS),
                     "new heads start as copies of head 1 or from the model's initialiser",
                     flag_values=fv)
@@ -41,7 +42,7 @@ def _define_from_hf(fv: flags.FlagValues) -> None:
 
 def _define_export(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("workdir", None, "a training or imported workdir", flag_values=fv)
-  flags.DEFINE_string("out", None, "folder for the Hugging Face files", flag_values=fv)
+  flags.DEFINE_string("out", None, "folder for the exported files", flag_values=fv)
 
 
 COMMANDS = {
@@ -56,6 +57,10 @@ COMMANDS = {
         _define_from_hf, ("ckpt", "out", "n_future", "heads")),
     "to-hf": cli.Command("export trunk + head 1 as a HF LlamaForCausalLM",
                                  _define_export, ("workdir", "out")),
+    "to-meta": cli.Command("export parallel heads in Meta's layout (params.json, *.pth)",
+                           _define_export, ("workdir", "out")),
+    "to-deepseek": cli.Command("export sequential heads as DeepSeek-V3 MTP layers (safetensors)",
+                               _define_export, ("workdir", "out")),
 }
 
 
@@ -68,6 +73,12 @@ def main(argv=None) -> int:
     if command == "to-hf":
       hf = workdir.export_hf(fv.workdir, fv.out)
       print(f"wrote {fv.out}: LlamaForCausalLM, {hf['num_hidden_layers']} layers")
+      return 0
+    if command in ("to-meta", "to-deepseek"):
+      fn = export.export_meta if command == "to-meta" else export.export_deepseek
+      fn(fv.workdir, fv.out)
+      print(f"wrote {fv.out}: {command[3:]} layout with every head; import it back with "
+            f"python -m mtp_jax.convert {command[3:]} --ckpt {fv.out} --out WORKDIR")
       return 0
     if command == "from-hf":
       c = from_hf.import_hf(fv.ckpt, fv.out, n_future=fv.n_future, heads=fv.heads,

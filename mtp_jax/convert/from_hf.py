@@ -5,7 +5,7 @@ whose heads 2..n are new, to be fine-tuned (`train.init_from`, `optim.trainable 
   python -m mtp_jax.convert from-hf --ckpt DIR --out WORKDIR --n_future 4 \\
       --heads parallel|projection|sequential [--init_heads copy|random] [--dtype bfloat16]
 
-Where head 1 comes from, per kind (heads.py):
+Where head 1 comes from, per kind (mtp_jax/heads/):
   parallel    Gloeckle et al. 2024 §2 / Meta's layout: the last HF layer is head 1's block, the
               trunk is the layers before it; `copy` starts heads 2..n as copies of that block.
   projection  head 1 is the whole HF model; heads 2..n are residual MLPs.
@@ -63,9 +63,9 @@ def hf_config(ckpt: str, n_future: int, heads: str, max_len: int) -> ml_collecti
   if hf.get("model_type") != "llama" or arch not in ([], ["LlamaForCausalLM"]):
     raise ValueError(f"--ckpt: config.json describes {', '.join(arch) or 'no architecture'} "
                      f"(model_type {hf.get('model_type')!r}); {_LLAMA_ONLY}")
-  if heads not in config_lib.HEAD_KINDS:
+  if heads not in heads_lib.KINDS:
     raise ValueError(f"--heads: got {heads!r}, allowed: "
-                     + ", ".join(map(repr, config_lib.HEAD_KINDS)))
+                     + ", ".join(map(repr, heads_lib.KINDS)))
   if n_future < 2:
     raise ValueError(f"--n_future: must be >= 2 (head 1 is the HF model), got {n_future}")
   c = config_lib.base_config()
@@ -73,8 +73,10 @@ def hf_config(ckpt: str, n_future: int, heads: str, max_len: int) -> ml_collecti
   hf_llama_fields(hf, m, _LLAMA_ONLY)
   m.max_len = max_len or int(hf.get("max_position_embeddings", 4096))
   m.n_future, m.heads.kind = n_future, heads
-  if heads == "parallel":  # matched layout: the last HF layer is head 1's block
-    m.n_layers += n_future - 1
+  # The HF layers are the trunk and head 1's own block, if the kind gives head 1 one (parallel:
+  # the last HF layer, with n_layers counting every head's block).
+  kind = heads_lib.KINDS[heads]
+  m.n_layers += m.n_layers - len(kind.head_params(1)) - kind.n_trunk(m)
   return c
 
 
@@ -118,9 +120,9 @@ def import_hf(ckpt: str, out: str, *, n_future: int, heads: str, init_heads: str
   # Fill what the checkpoint holds (head 1's own block, parallel, goes to blocks[0] of a
   # one-block stack: the rest of the stack is new_heads' business).
   filled = {p: s for p, s in shapes.items() if p[0] != "heads"}
-  if args.head_kind == "parallel":
+  for path, _ in heads_lib.KINDS[args.head_kind].head_params(1):
     filled.update({p: jax.ShapeDtypeStruct((1,) + s.shape[1:], s.dtype)
-                   for p, s in shapes.items() if p[:2] == ("heads", "blocks")})
+                   for p, s in shapes.items() if p[:len(path)] == path})
   dt = jnp.dtype(dtype)
   params = read_params(source, entries, filled, dt)
   params["heads"] = jax.tree.map(lambda x: x.astype(dt), new_heads(c, params, init_heads))

@@ -27,7 +27,7 @@ import numpy as np
 from flax import traverse_util
 
 from mtp_jax import heads as heads_lib
-from mtp_jax.config import ModelArgs
+from mtp_jax.model_args import ModelArgs
 from mtp_jax.model import build_model, init_params
 
 # (our path inside a Block, Meta name, HF Llama name, leading input axes of our kernel; 0: a
@@ -110,7 +110,7 @@ def meta_entries(a: ModelArgs) -> list[Entry]:
       Entry("norm.weight", ("norm",))]
   for i in range(a.n_trunk):
     out += block_entries(f"layers.{i}.", ("trunk", "layers"), i, a, meta=True)
-  heads = heads_lib.KINDS["parallel"]
+  heads = heads_lib.KINDS[a.head_kind]  # parallel, as the Meta importer sets it
   [(dst, index)] = heads.head_params(1)
   out += block_entries(f"layers.{a.n_trunk}.", dst, index, a, meta=True)
   for j in range(2, a.n_future + 1):
@@ -137,7 +137,8 @@ def deepseek_entries(a: ModelArgs) -> list[Entry]:
   """Main model as HF Llama, MTP module k at model.layers.{n_layers + k}."""
   out = llama_entries(a)
   for k in range(a.n_future - 1):
-    [(depths, i)] = heads_lib.KINDS["sequential"].head_params(k + 2)  # MTP module k: head k + 2
+    # MTP module k is head k + 2 (sequential depths, as the DeepSeek importer sets them).
+    [(depths, i)] = heads_lib.KINDS[a.head_kind].head_params(k + 2)
     p = f"model.layers.{a.n_trunk + k}."
     out += block_entries(p, depths + ("block",), i, a, meta=False)
     out += [Entry(p + "enorm.weight", depths + ("enorm", "scale"), i),

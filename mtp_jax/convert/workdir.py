@@ -17,7 +17,10 @@ import numpy as np
 from flax import traverse_util
 
 from mtp_jax import config as config_lib
-from mtp_jax.checkpoint import Checkpointer, checkpoint_dir
+from mtp_jax import heads as heads_lib
+from mtp_jax import validation
+from mtp_jax import workdir as workdir_lib
+from mtp_jax.checkpoint import Checkpointer
 from mtp_jax.convert.layouts import (check_tensors, deepseek_entries, llama_entries, meta_entries,
                                      param_shapes, read_params, to_torch, unpad)
 from mtp_jax.convert.readers import MetaShards, Safetensors, read_json
@@ -38,7 +41,7 @@ def prepare_config(config: ml_collections.ConfigDict, spm: str, source: str):
       raise ValueError(f"--tokenizer: no SentencePiece model at {spm!r}")
     config.data.tokenizer, config.data.spm_path = "sentencepiece", os.path.abspath(spm)
   try:
-    config_lib.validate(config)
+    validation.resolve(config)
   except ValueError as e:
     raise ValueError(f"--ckpt: the config converted from {source} is not valid: {e}") from None
   tok = tokenizers.get_tokenizer(config.data)
@@ -52,8 +55,9 @@ def prepare_config(config: ml_collections.ConfigDict, spm: str, source: str):
 
 
 def check_out(out: str) -> None:
-  if os.path.exists(os.path.join(out, "checkpoints")):
-    raise ValueError(f"--out: {out!r} already holds checkpoints/; convert into a new folder")
+  if os.path.exists(workdir_lib.checkpoints_dir(out)):
+    raise ValueError(f"--out: {out!r} already holds {workdir_lib.CHECKPOINTS}/; convert into a "
+                     "new folder")
 
 
 def write_workdir(out: str, config: ml_collections.ConfigDict, params) -> None:
@@ -62,12 +66,12 @@ def write_workdir(out: str, config: ml_collections.ConfigDict, params) -> None:
   check_out(out)
   os.makedirs(out, exist_ok=True)
   if config.data.tokenizer == "sentencepiece":
-    dst = os.path.abspath(os.path.join(out, "tokenizer.model"))
+    dst = os.path.abspath(os.path.join(out, workdir_lib.SPM_MODEL))
     if os.path.abspath(config.data.spm_path) != dst:
       shutil.copyfile(config.data.spm_path, dst)
     config.data.spm_path = dst
-  config_lib.save_json(config, os.path.join(out, "config.json"))
-  with Checkpointer(checkpoint_dir(out), keep=1, async_save=False) as ckpt:
+  workdir_lib.write_config(config, out)
+  with Checkpointer(workdir_lib.checkpoints_dir(out), keep=1, async_save=False) as ckpt:
     ckpt.save(0, {"params": params})
     ckpt.wait()
 
@@ -192,8 +196,7 @@ def export_hf(workdir: str, out: str) -> dict:
   (float32) and tokenizer.model when the workdir has a SentencePiece model. numpy only."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
-  from mtp_jax import generate  # pylint: disable=import-outside-toplevel
-  loaded = generate.load_workdir(workdir)
+  loaded = workdir_lib.load_workdir(workdir)
   a, tok = loaded.model.args, loaded.tokenizer
   flat = traverse_util.flatten_dict(jax.device_get(loaded.params))
   loaded.params = None
@@ -207,7 +210,8 @@ def export_hf(workdir: str, out: str) -> dict:
       "hidden_size": a.d_model, "intermediate_size": a.d_ff,
       "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
       "head_dim": a.head_dim,
-      "num_hidden_layers": a.n_trunk + (a.head_kind == "parallel"),
+      # The trunk, then head 1's own block if the kind gives it one (as llama_entries reads).
+      "num_hidden_layers": a.n_trunk + len(heads_lib.KINDS[a.head_kind].head_params(1)),
       "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "rope_scaling": None,
       "vocab_size": a.vocab_size, "max_position_embeddings": a.max_len,
       "tie_word_embeddings": a.tie_embeddings, "hidden_act": "silu",

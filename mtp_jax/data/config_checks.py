@@ -1,4 +1,4 @@
-"""Validation of the `data.*` config fields (called by `config.validate`): the corpus, the
+"""Validation of the `data.*` config fields (called by `validation.validate`): the corpus, the
 tokenizer, the synthetic tasks' knobs and the real corpora's fields. Each error names the field
 in one line; the datasets themselves are checked when the pipeline opens them, still before
 anything is written. Imports nothing from mtp_jax, so config can import it."""
@@ -15,12 +15,6 @@ TASK_CORPORA = ("induction", "polynomial")  # synthetic, mtp_jax/data/tasks.py
 POLY_OPS = "+-*o"  # polynomial task: add, negate, multiply, compose
 
 Fail = Callable[[str, str], None]
-
-
-def padded_vocab(vocab_size: int, vocab_multiple: int) -> int:
-  """vocab_size rounded up to a multiple of vocab_multiple: the embedding's rows (here, not in
-  config.py, so jax-free code such as mtp_jax.scaling can count them too)."""
-  return -(-int(vocab_size) // int(vocab_multiple)) * int(vocab_multiple)
 
 
 def poly_max_len(n_ops: int, degree: int) -> int:

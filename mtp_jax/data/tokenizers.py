@@ -22,6 +22,9 @@ from typing import Iterator, Protocol
 import numpy as np
 import sentencepiece as spm
 
+from mtp_jax import config as config_lib
+from mtp_jax.data import config_checks
+
 
 class Tokenizer(Protocol):
   """What the pipeline and the decoder use; both tokenizers below have it."""
@@ -207,8 +210,6 @@ def main(argv=None) -> None:
   line; `python -m` prints it as `error: ...` and exits 2)."""
   from absl import flags  # pylint: disable=import-outside-toplevel
   from mtp_jax import cli  # pylint: disable=import-outside-toplevel
-  from mtp_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax.data import config_checks  # pylint: disable=import-outside-toplevel
   data = config_lib.base_config().data
 
   def define(fv):

@@ -1,0 +1,177 @@
+"""The head-kind registry and what every kind shares: `HeadKind` (the base module and the hooks
+through which the rest of the code sees a kind), `Shared` (what a kind reads besides the trunk
+state), `DecodeReads` (what a kind that reads tokens reads while decoding) and `slice_params`.
+
+Every kind maps the trunk state z_BxSxD to h_NxBxSxD, N = n_future: head i (1-based) at
+position t predicts x_{t+i}, normalised and ready for the shared unembedding. Head 1 alone is a
+next-token model. Heads never produce logits for training: the loss unembeds one head at a time.
+
+Transformed modules (nn.vmap / nn.scan) only touch their own parameters; shared arrays (the
+final norm scale, the embedding table) come in as plain arguments, so lifting stays simple.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+
+from mtp_jax.model_args import ModelArgs
+
+KINDS: dict[str, type["HeadKind"]] = {}
+
+
+def register(name: str) -> Callable:
+  """Class decorator: makes a `HeadKind` subclass `config.model.heads.kind = name`."""
+  def wrap(cls):
+    if name in KINDS:
+      raise ValueError(f"head kind {name!r} is already registered")
+    cls.kind = name
+    KINDS[name] = cls
+    return cls
+  return wrap
+
+
+def unregister(name: str) -> None:
+  del KINDS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared:
+  """What every head kind may read besides the trunk state. Arrays, not modules."""
+  x_BxSxD: jax.Array  # input embeddings (sequential depths shift them for teacher forcing)
+  positions_BxS: jax.Array
+  segment_ids_BxS: Any  # None or int [B, S]
+  norm_D: jax.Array  # the shared final RMSNorm scale
+  embed_VxD: jax.Array
+  unembed_DxV: jax.Array
+  # Decoding, not teacher forcing: the next tokens are unknown, so a kind that reads them
+  # (sequential depths) reads its own drafts instead.
+  decoding: bool = False
+  # Decoding: what sequential depths read (`DecodeReads`); None: head 1's argmax, then each
+  # depth's argmax.
+  reads: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeReads:
+  """What the sequential depths read while decoding, given by the decoder (mtp_jax.sampling).
+
+  known(h1_BxSxD, depths) -> [depths, B, S] int: the token depth d reads at position s, x_{s+d},
+  where the decoder knows it (the prompt; the accepted drafts and the new token of a cycle), -1
+  elsewhere. draft(xs_d, out_BxSxD) -> [B, S]: depth d's draft from its normalised output, what
+  depth d + 1 reads where nothing is known. xs: per-depth inputs of `draft` (leading axis
+  n_future - 1) or None."""
+  known: Callable
+  draft: Callable
+  xs: Any = None
+
+
+class HeadKind(nn.Module):
+  """Base of every head kind. The module: (z_BxSxD, Shared, cache) -> (h_NxBxSxD, new cache).
+
+  Class attributes a kind sets:
+    stacks: {name of a stacked param subtree under params["heads"]: `first`, the head that
+      its index 0 holds}; index i holds head first + i. Slicing to the first k heads (the
+      decoder) and finding head j's params (a converter) read only this: `slice_params`,
+      `head_params`.
+    choices: {field of config.model.heads that this kind reads: its allowed values}. Checked
+      whichever kind is chosen, so a typo in a saved config fails at start-up.
+    preset_field, presets: an optional field naming a preset, and {preset: {field: value}};
+      `validation.expand_presets` sets its fields (validate checks that a field set by hand
+      agrees with the preset or is at its default).
+  """
+  args: ModelArgs
+
+  # Class attributes, not dataclass fields (no annotations): flax would make them fields.
+  kind = ""  # set by `register`
+  stacks = {}
+  choices = {}
+  preset_field = ""
+  presets = {}
+
+  @classmethod
+  def n_trunk(cls, m) -> int:
+    """Trunk blocks of a model with config.model `m` (by default all n_layers)."""
+    return m.n_layers
+
+  @classmethod
+  def cache_blocks(cls, args: ModelArgs) -> int:
+    """Attention blocks in the heads that need their own KV cache when decoding."""
+    del args
+    return 0
+
+  @classmethod
+  def validate_fields(cls, h, defaults, fail: Callable[[str, str], None]) -> None:
+    """Checks config.model.heads `h` without changing it: a field the preset sets must be at
+    the preset's value or at its default, and each field (as the preset sets it) in `choices`.
+    `fail(field, message)` raises."""
+    preset = h[cls.preset_field] if cls.preset_field else ""
+    if preset and preset not in cls.presets:
+      fail(f"model.heads.{cls.preset_field}", f"got {preset!r}, allowed: '' or "
+           + ", ".join(map(repr, cls.presets)))
+    for field, value in cls.presets.get(preset, {}).items():
+      if h[field] not in (value, defaults[field]):
+        fail(f"model.heads.{cls.preset_field}", f"preset {preset!r} sets {field} = {value!r}, "
+             f"but {field} = {h[field]!r} was asked for; set {cls.preset_field}='' to choose "
+             "the fields one by one")
+    for field, allowed in cls.choices.items():
+      value = cls.presets.get(preset, {}).get(field, h[field])
+      if value not in allowed:
+        fail(f"model.heads.{field}", f"got {value!r}, allowed: "
+             + ", ".join(map(repr, allowed)))
+
+  @classmethod
+  def validate_config(cls, m, fail: Callable[[str, str], None]) -> None:
+    """Checks on config.model `m` that hold when this kind is chosen."""
+
+  @classmethod
+  def head_params(cls, j: int) -> list[tuple[tuple[str, ...], int]]:
+    """Where head j's own params sit: (path in the param tree, index on the stacked axis) for
+    every stack holding it; [] for a head with no params of its own (the trunk's head 1)."""
+    return [(("heads", name), j - first) for name, first in cls.stacks.items() if j >= first]
+
+  @classmethod
+  def warm_start(cls, fresh: dict, args: ModelArgs) -> None:
+    """Adding heads to a pretrained next-token model (convert from-hf, --init_heads copy):
+    edits the freshly initialised params["heads"] (numpy, in place) so the new heads start
+    close to head 1. Head 1's own params, if any, are filled in by the converter. Default:
+    keep the fresh initialisation."""
+
+  @classmethod
+  def flops_per_token(cls, m, block: int) -> tuple[int, int]:
+    """(forward matmul FLOPs per token of the heads' own weights, attention blocks in the
+    heads) for config.model `m`; `block` is one Llama block's matmul FLOPs per token (attention
+    scores aside). flops.py adds the trunk, attention scores and the unembedding (as levanter's
+    LmConfig.flops_per_token)."""
+    raise NotImplementedError(f"head kind {cls.kind!r} does not count its FLOPs "
+                              "(HeadKind.flops_per_token)")
+
+  @classmethod
+  def decode_reads(cls, known_fn: Callable, unembed_DxV, sp, u_DxB=None, slots_BxN=None):
+    """What the heads read while decoding (`Shared.reads`), given how the decoder knows the
+    next tokens (see SequentialHeads.decode_reads); None (the default) for heads that read no
+    tokens."""
+    del known_fn, unembed_DxV, sp, u_DxB, slots_BxN
+    return None
+
+
+def slice_params(params, kind: type[HeadKind], k: int):
+  """The param tree restricted to heads 1..k: each stack cut to the heads <= k it holds."""
+  heads = dict(params.get("heads", {}))
+  for name, first in kind.stacks.items():
+    n = k - first + 1
+    if name not in heads:
+      continue
+    if n <= 0:
+      del heads[name]
+    else:
+      heads[name] = jax.tree.map(lambda x, n=n: x[:n], heads[name])
+  params = dict(params)
+  if heads:
+    params["heads"] = heads
+  else:
+    params.pop("heads", None)
+  return params

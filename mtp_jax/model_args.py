@@ -1,0 +1,94 @@
+"""`ModelArgs`: every field of `config.model`, declared and defaulted once, JAX-free.
+
+`config.base_config().model` is built from this class (a field under `model.heads` when its
+metadata says `heads=True`, `head_kind` as `model.heads.kind`), and `model.model_args(config)`
+builds the hashable instance the modules read (a jit static argument). Imports nothing from
+mtp_jax and no JAX, so reading a config loads neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def padded_vocab(vocab_size: int, vocab_multiple: int) -> int:
+  """vocab_size rounded up to a multiple of vocab_multiple: the embedding's rows."""
+  return -(-int(vocab_size) // int(vocab_multiple)) * int(vocab_multiple)
+
+
+def _heads(default):
+  """A field of config.model.heads (a head kind's own field; the kind checks its values)."""
+  return dataclasses.field(default=default, metadata={"heads": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+  """Every field of config.model, flat (model.heads.kind as head_kind), plus n_trunk."""
+  vocab_size: int = 259  # byte tokenizer: 256 bytes + pad, bos, eos
+  # The embedding and unembedding have vocab_size rounded up to a multiple of this many rows
+  # (padded_vocab): 259 -> 384 splits over `tensor` and fills the MXU / tensor cores. Pad
+  # logits are masked out of the loss and decoding (model.mask_pad_logits). A workdir saved
+  # before the field existed loads with 1 (config.load_json): its embedding is unpadded.
+  vocab_multiple: int = 128
+  d_model: int = 256
+  n_layers: int = 6  # counts the parallel head blocks (matched parameters, Gloeckle §3)
+  n_heads: int = 8  # attention heads
+  n_kv_heads: int = 4
+  d_ff: int = 768  # SwiGLU hidden size
+  max_len: int = 1024  # longest sequence (prompt + completion) the model accepts
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  n_future: int = 1
+  remat_policy: str = "none"
+  scan_layers: bool = True
+  # Compute dtype (params stay float32): a name in the config, a jnp dtype in the instance
+  # model.model_args builds.
+  dtype: Any = "float32"
+  attention_impl: str = "auto"  # mtp_jax/attention.py: auto, einsum, cpu, xla, cudnn, splash
+  head_kind: str = _heads("parallel")  # config.model.heads.kind: a name in heads.KINDS
+  # Parallel head blocks: "vmap" runs them side by side (fast on small models); "scan" runs one
+  # at a time, so only one head's activations are alive (what large models need: plan_memory).
+  parallel_stack: str = _heads("vmap")
+  # Sequential heads (the kind's `presets`: who does which). The preset sets the three fields
+  # below unless "" (custom).
+  seq_preset: str = _heads("deepseek_v3")
+  seq_concat: str = _heads("emb_first")
+  seq_trunk_state: str = _heads("post_norm")
+  seq_output_norm: str = _heads("per_module")
+  # Not a config field: the trunk blocks the head kind leaves (HeadKind.n_trunk).
+  n_trunk: int = dataclasses.field(default=0, metadata={"derived": True})
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def padded_vocab(self) -> int:
+    """Rows of the embedding (columns of the unembedding): ids >= vocab_size are padding."""
+    return padded_vocab(self.vocab_size, self.vocab_multiple)
+
+  @classmethod
+  def config_fields(cls) -> list[tuple[str, str, Any]]:
+    """(group, name in config.model[.heads], default) of every config field: group "" for
+    config.model, "heads" for config.model.heads."""
+    out = []
+    for f in dataclasses.fields(cls):
+      if f.metadata.get("derived"):
+        continue
+      heads = f.metadata.get("heads", False)
+      out.append(("heads" if heads else "", "kind" if f.name == "head_kind" else f.name,
+                  f.default))
+    return out
+
+  @classmethod
+  def from_config(cls, m, **derived) -> "ModelArgs":
+    """The ModelArgs of a validated config.model `m` (fields it does not know are ignored),
+    with `derived` (n_trunk, dtype, a preset's fields) taking precedence; lists become
+    tuples."""
+    flat = {k: v for k, v in m.items() if k != "heads"}
+    flat.update({"head_kind" if k == "kind" else k: v for k, v in m.heads.items()})
+    flat.update(derived)
+    flat = {k: tuple(v) if isinstance(v, list) else v for k, v in flat.items()}
+    return cls(**{f.name: flat[f.name] for f in dataclasses.fields(cls)})

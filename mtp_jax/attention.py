@@ -140,7 +140,8 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   `query_blocks` blocks (default CPU_QUERY_BLOCKS), block i attending only to keys
   [0, end of block i): with n blocks (n - 1) / 2n of the logits, their softmax and their
   gradients are never computed (3/8 with 4; 8 blocks measured slower: smaller GEMMs).
-  (Issue 18's profile: the reference's masked upper half and select made attention 2.5x torch's.)"""
+  (A profile of the einsum path: the reference's masked upper half and select made attention
+  2.5x torch's.)"""
   B, S, H, E = q_BxSxHxE.shape
   T, K = k_BxTxKxE.shape[1:3]
   G = H // K

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 import sys
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -178,22 +179,109 @@ def quiet_logs():
     logging.set_verbosity(logging.WARNING)
 
 
-def parse_flags(argv):
-  """absl flag parsing, with a bad flag or config override as one line instead of a traceback."""
+def _help_wanted(argv: Sequence[str]) -> str | None:
+  """"short" / "full" when argv asks for help (-h, --help, --helpshort, --helpfull), else None."""
+  args = list(argv)
+  args = args[:args.index("--")] if "--" in args else args
+  if any(a in ("--helpfull", "-helpfull") for a in args):
+    return "full"
+  if any(a in ("-h", "--help", "-help", "-?", "--helpshort", "-helpshort") for a in args):
+    return "short"
+  return None
+
+
+def _unquote(text: str) -> str:
+  return text.strip().strip("'\"")
+
+
+def config_field_error(e: BaseException, argv: Sequence[str]) -> str:
+  """One line for a `--config.a.b=v` naming no config field, from ml_collections' KeyError /
+  AttributeError (whose text is a repr like `'stepz'\\nDid you mean "steps" instead of
+  "stepz"?`): `--config.train.stepz: no such config field; did you mean "steps"?`."""
+  while e.args and isinstance(e.args[0], BaseException):  # AttributeError(KeyError(...))
+    e = e.args[0]
+  text = str(e.args[0]) if e.args else str(e)  # str(KeyError) would be a repr of it
+  lines = [line for line in text.splitlines() if line.strip()]
+  name = _unquote(lines[0]) if lines else ""
+  overrides = [a.split("=")[0].lstrip("-") for a in argv if a.startswith("--config.")]
+  bad = [o for o in overrides if name and name in o.split(".")]
+  where = "--" + bad[0] if bad else "--config"
+  msg = f"{where}: no such config field" + ("" if bad or not name else f" {name}")
+  hint = [line for line in lines[1:] if line.startswith("Did you mean")]
+  if hint and '"' in hint[0]:
+    msg += f'; did you mean "{hint[0].split(chr(34))[1]}"?'
+  return msg
+
+
+def _flag_error(e: flags.Error, fv: flags.FlagValues) -> str:
+  """One line for absl's flag errors, without reprs: `--name: what is wrong`."""
+  text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+  if isinstance(e, flags.UnrecognizedFlagError) and e.flagname.startswith("config."):
+    return f"--{e.flagname}: no such config field"
+  if isinstance(e, flags.UnrecognizedFlagError):
+    by_module = fv.flags_by_module_dict()
+    own = by_module.get(sys.argv[0]) or [  # the flags the entry point defines
+        f for m, fs in by_module.items() if not m.startswith("absl.") for f in fs]
+    own = sorted({f.name for f in own if "." not in f.name})
+    known = ", ".join(f"--{n}" for n in own) + (", --config.FIELD=VALUE" if "config" in own
+                                                 else "")
+    return f"--{e.flagname}: unknown flag" + (f" (flags: {known})" if known else "")
+  if text.startswith("flag --") and ": " in text:  # "flag --x=v: invalid literal for int() ..."
+    flag, reason = text[len("flag "):].split(": ", 1)
+    name, _, value = flag.partition("=")
+    if "must have a value other than None" in reason:
+      return f"{name}: required"
+    if reason.startswith("invalid literal for int()"):
+      reason = f"{value} is not an integer"
+    elif reason.startswith("could not convert string to float"):
+      reason = f"{value} is not a number"
+    return f"{name}: {reason.replace(chr(39), '')}"
+  if text.startswith("Missing value for flag "):
+    return f"{text[len('Missing value for flag '):]}: missing value (--name=value)"
+  return text
+
+
+def _config_path(argv: Sequence[str]) -> str:
+  """The file given to --config (the last one, as absl takes it)."""
+  path = "the config file"
+  for i, a in enumerate(argv):
+    if a.startswith("--config="):
+      path = a.split("=", 1)[1]
+    elif a == "--config" and i + 1 < len(argv):
+      path = argv[i + 1]
+  return path
+
+
+def parse_flags(argv, fv: flags.FlagValues | None = None):
+  """absl flag parsing for train, generate and data.prepare (`fv`: absl's global FLAGS unless
+  given): --help / -h / --helpfull print the module's usage and its flags and exit 0; a bad
+  flag or config override is one line `error: --name: ...`, exit status 2."""
+  from absl import app  # pylint: disable=import-outside-toplevel
+  fv = FLAGS if fv is None else fv
+  wanted = _help_wanted(argv[1:])
+  if wanted:
+    app.usage(shorthelp=wanted == "short", writeto_stdout=True, exitcode=0)
   try:
-    rest = FLAGS(argv)
-    if "config" in FLAGS and FLAGS["config"].present:
-      _ = FLAGS.config.model  # the config file loads lazily: fail here, not deep in the run
+    rest = fv(argv)
+    if "config" in fv and fv["config"].present:
+      _ = fv.config.model  # the config file loads lazily: fail here, not deep in the run
     return rest
   except (AttributeError, KeyError) as e:
-    bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")
-           and str(e).strip("\"' ") in a.split("=")[0].split(".")]
-    where = bad[0] if bad else "--config"
-    print(f"error: {where}: no such config field ({str(e).strip(chr(34))})", file=sys.stderr)
-  except (flags.Error, TypeError, ValueError, OSError) as e:
+    if "get_config" in str(e):
+      print(f"error: --config: {_config_path(argv)} defines no get_config()", file=sys.stderr)
+    else:
+      print(f"error: {config_field_error(e, argv[1:])}", file=sys.stderr)
+  except flags.Error as e:
+    print(f"error: {_flag_error(e, fv)}", file=sys.stderr)
+  except SyntaxError as e:
+    print(f"error: --config: cannot load {_config_path(argv)}: {e.msg} at line {e.lineno}",
+          file=sys.stderr)
+  except (TypeError, ValueError, OSError) as e:
     msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    if "Failed loading config file" in str(e):
-      msg = "--config: cannot load " + " ".join(
-          line.strip() for line in str(e).splitlines()[2:] if line.strip())
+    if "config" in msg.lower() and "load" in msg:  # ml_collections' "Failed loading config file"
+      reason = str(e).strip().splitlines()[-1]
+      reason = re.sub(r"\[Errno \d+\] ", "", reason.split("failure to load: ")[-1]).strip()
+      reason = reason.split(": '")[0].split(': "')[0]  # "No such file or directory: '/x.py'"
+      msg = f"--config: cannot load {_config_path(argv)}: {reason[:1].lower()}{reason[1:]}"
     print(f"error: {msg}", file=sys.stderr)
   sys.exit(2)

@@ -7,7 +7,8 @@ event files in DIR (tensorboardX).
     writer.write(step, "eval", metrics)
     writer.close()
 
-`writer.last[kind]` keeps the last flat values of each kind: the loop puts them in summary.json.
+`writer.last[kind]` keeps the last flat values of each kind: the loop puts them in summary.json
+through `write_summary`, which keeps the record of a finished run when a rerun trains nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +40,45 @@ def head_summary(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _fmt_heads(values) -> str:
   return " ".join(f"{v:.3f}" for v in np.asarray(values))
+
+
+def machine() -> dict[str, Any]:
+  """The host a run's timings come from: CPU model name and the cores this process may use."""
+  cpu = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f
+                  if line.startswith("model name")), "")
+  except OSError:
+    pass
+  if not cpu:
+    import platform  # pylint: disable=import-outside-toplevel
+    cpu = platform.processor() or platform.machine()
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return {"cpu": cpu, "cpu_cores": cores}
+
+
+def write_summary(path: str, summary: dict[str, Any], *, trained: bool) -> dict[str, Any]:
+  """Writes `summary` to `path` (summary.json) and returns what the file holds.
+
+  A call that trained no step (a rerun of a finished run, a resume past `train.stop_at`) has no
+  speed, loss or eval of its own: if `path` already records the same step and params, it is kept
+  as it was, with only the keys it lacks added from `summary`, so a rerun never loses the run's
+  figures."""
+  if not trained and os.path.isfile(path):
+    try:
+      with open(path) as f:
+        old = json.load(f)
+    except (OSError, ValueError):
+      old = None
+    if (isinstance(old, dict) and old.get("step") == summary["step"]
+        and old.get("params_sha256") == summary["params_sha256"]):
+      summary = {**summary, **old}
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(summary, f, indent=2)
+  os.replace(tmp, path)  # a kill mid-write leaves the old record, never half a file
+  return summary
 
 
 class MetricsWriter:

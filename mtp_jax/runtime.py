@@ -1,4 +1,4 @@
-"""CPU defaults that an entry point applies before JAX starts its backend (issue 18).
+"""CPU defaults that an entry point applies before JAX starts its backend.
 
     if __name__ == "__main__":  # top of an entry-point module, before `import jax`
       from mtp_jax import runtime

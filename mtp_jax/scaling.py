@@ -144,9 +144,14 @@ def ok_rows(rows: list[dict]) -> list[dict]:
           and isinstance(r.get("head1_eval_loss"), float) and math.isfinite(r["head1_eval_loss"])]
 
 
-def fit_power_law(x, y) -> dict[str, float]:
+# A line through two points fits them exactly: r² means something from three points on.
+MIN_POINTS_FOR_R2 = 3
+
+
+def fit_power_law(x, y) -> dict[str, float | None]:
   """Least squares in log space, log y = log a + b log x: y ~ a * x**b. Returns a, b, r2 (of the
-  log-space fit) and the number of points. Needs two distinct positive x and positive y."""
+  log-space fit; None below MIN_POINTS_FOR_R2 points, where it would be 1 whatever the data)
+  and the number of points. Needs two distinct positive x and positive y."""
   x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
   if x.shape != y.shape or x.ndim != 1:
     raise ValueError(f"x and y must be 1-D of one length, got {x.shape} and {y.shape}")
@@ -159,7 +164,17 @@ def fit_power_law(x, y) -> dict[str, float]:
   resid = ly - (log_a + b * lx)
   ss_tot = float(np.sum((ly - ly.mean()) ** 2))
   r2 = 1.0 - float(np.sum(resid ** 2)) / ss_tot if ss_tot > 0 else 1.0
+  if len(x) < MIN_POINTS_FOR_R2:
+    r2 = None
   return {"a": float(np.exp(log_a)), "b": float(b), "r2": r2, "points": int(len(x))}
+
+
+def fit_quality(fit: dict[str, Any]) -> str:
+  """"r² 0.987, 4 sizes", or why there is none ("2 sizes: too few points for a fit quality")."""
+  if fit["r2"] is None:
+    return (f"{fit['points']} sizes: too few points for a fit quality (r² needs "
+            f">= {MIN_POINTS_FOR_R2})")
+  return f"r² {fit['r2']:.3f}, {fit['points']} sizes"
 
 
 def _std(values) -> float:
@@ -269,7 +284,9 @@ def plot(rows: list[dict], fitted: dict[str, dict[str, Any]]):
       if f is not None:
         xs = np.geomspace(x.min(), x.max(), 50)
         ax.plot(xs, f["a"] * xs ** f["b"], "--", color=color,
-                label=f"n={n}: {f['a']:.3g}·x^{f['b']:.3f} (r²={f['r2']:.2f})")
+                label=f"n={n}: {f['a']:.3g}·x^{f['b']:.3f} " + (
+                    f"(r²={f['r2']:.2f})" if f["r2"] is not None
+                    else f"({f['points']} sizes: no fit quality)"))
       else:
         ax.plot([], [], "o", color=color, label=f"n={n}")
     ax.set_xscale("log")
@@ -317,5 +334,5 @@ def analyze(root: str, png: str | None = None, json_path: str | None = None,
     for kind in ("params", "compute"):
       if f[kind] is not None:
         show(f"n={n}: loss ~ {f[kind]['a']:.4g} * {kind}^{f[kind]['b']:.4f} "
-             f"(r² {f[kind]['r2']:.3f}, {f[kind]['points']} sizes)")
+             f"({fit_quality(f[kind])})")
   return out

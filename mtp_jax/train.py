@@ -37,7 +37,7 @@ from mtp_jax import validation
 from mtp_jax import workdir as workdir_lib
 from mtp_jax.checkpoint import Checkpointer
 from mtp_jax.data import pipeline, tokenizers
-from mtp_jax.metrics import MetricsWriter
+from mtp_jax.metrics import MetricsWriter, machine, write_summary
 from mtp_jax.model import build_model, param_count
 
 
@@ -220,6 +220,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       "peak_flops_per_device": peak_flops,
       "peak_flops_source": peak_source,
       "wall_seconds": time.time() - t_start,
+      **machine(),  # where the timings come from
       "params_sha256": steps_lib.params_sha256(state.params),
       "head_kind": config.model.heads.kind,
       "n_future": config.model.n_future,
@@ -227,9 +228,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       **writer.last["train"],
       **writer.last["eval"],
   }
-  with open(workdir_lib.summary_path(workdir), "w") as f:
-    json.dump(summary, f, indent=2)
-  return summary
+  trained = step > start
+  if not trained:
+    print(f"nothing to train: already at step {step} (this run ends at {end}); summary.json "
+          "keeps the figures of the steps that were trained", flush=True)
+  return write_summary(workdir_lib.summary_path(workdir), summary, trained=trained)
 
 
 def cli_main(flags_) -> int:

@@ -3,12 +3,14 @@ exit status 2), config overrides parsed by the field's type, and conftest's `req
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 from absl import flags
+from ml_collections import config_flags
 from conftest import require
 
 from mtp_jax import cli
@@ -74,14 +76,13 @@ def test_parse_command():
 
 
 @pytest.mark.parametrize("argv, rc, stream, text", [
-    (["--help"], 0, "stdout", "commands:\n  meta:"),
-    (["meta", "--help"], 0, "stdout", "--ckpt: checkpoint folder (required)"),
     (["meta", "--ckpt", "/nonexistent"], 2, "stderr", "error: --out: required"),
     (["to-hf", "--out", "o", "--ckpt", "c"], 2, "stderr", "error: --ckpt: unknown flag"),
     (["nope"], 2, "stderr", "error: python -m mtp_jax.convert: unknown command 'nope'"),
 ])
 def test_convert_command_line(argv, rc, stream, text):
-  """The real entry point: --help exits 0; bad input is one `error:` line and exit status 2."""
+  """The real entry point: bad input is one `error:` line and exit status 2 (--help:
+  test_every_entry_point_has_help)."""
   p = subprocess.run([sys.executable, "-m", "mtp_jax.convert", *argv], capture_output=True,
                      text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
   assert p.returncode == rc, p.stdout + p.stderr
@@ -140,3 +141,155 @@ def test_require_skips_locally_and_fails_under_ci(monkeypatch):
   monkeypatch.setenv("CI", "")  # empty: not CI
   with pytest.raises(pytest.skip.Exception):
     require("mtp_jax_no_such_module")
+
+
+# Every entry point a user runs, with --help (evaluate's own test is in test_evaluate.py). train
+# and generate (absl's global FLAGS, both define --workdir) run as a user runs them; the others
+# one after another in one process (runpy, as `python -m` / `python script.py` would): three
+# processes in all, started at once.
+_MODULES = ["mtp_jax.train", "mtp_jax.generate"]
+_IN_ONE = ([("module", "mtp_jax.data.prepare", []), ("module", "mtp_jax.tasks_eval", []),
+            ("module", "mtp_jax.data.distill", [])]
+           + [("module", "mtp_jax.convert", [sub]) for sub in (
+               "", "meta", "deepseek", "from-hf", "to-hf", "to-meta", "to-deepseek")]
+           + [("module", "mtp_jax.data.tokenizers", [sub]) for sub in ("", "train")]
+           + [("script", f"experiments/{s}.py", []) for s in (
+               "analyze_sweep", "bench_accel", "bench_cpu_defaults", "bench_data",
+               "bench_decode", "bench_finetune", "bench_memory", "bench_sandbox", "bench_train",
+               "decode_acceptance", "demo_report", "distill_heads", "plan_memory",
+               "small_tasks", "sweep")])
+_RUN_IN_ONE = """
+import json, runpy, sys
+for kind, target, args in json.loads(sys.argv[1]):
+  sys.argv = [target] + [a for a in args if a] + ["--help"]
+  try:
+    if kind == "module":
+      runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+      runpy.run_path(target, run_name="__main__")
+    rc = 0
+  except SystemExit as e:
+    rc = e.code or 0
+  print(f"\\n@@ {rc}", flush=True)
+"""
+
+
+def _help_ok(out: str, rc: int) -> bool:
+  return rc == 0 and "--" in out and ("usage" in out.lower() or "python -m" in out)
+
+
+def test_every_entry_point_has_help():
+  """--help prints the usage and the flags on stdout and exits 0, compiling nothing."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  runs = {m: [sys.executable, "-m", m, "--help"] for m in _MODULES}
+  runs["others"] = [sys.executable, "-c", _RUN_IN_ONE, json.dumps(_IN_ONE)]
+  # MTP_JAX_REEXECED: the first tool's CPU defaults would re-exec the runner (runtime.py).
+  procs = {name: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=dict(env, MTP_JAX_REEXECED="1")
+                                  if name == "others" else env)
+           for name, cmd in runs.items()}
+  failed = []
+  for name, p in procs.items():
+    out, err = p.communicate(timeout=600)
+    if name != "others":
+      if not _help_ok(out, p.returncode) or "Traceback" in err:
+        failed.append(f"{name}: rc {p.returncode}\n{out[-1500:]}\n{err[-1500:]}")
+      continue
+    parts = out.split("\n@@ ")
+    if p.returncode or len(parts) != len(_IN_ONE) + 1:
+      failed.append(f"{len(parts) - 1} of {len(_IN_ONE)} ran\n{out[-1500:]}\n{err[-3000:]}")
+    texts = [parts[0]] + [part.split("\n", 1)[-1] for part in parts[1:]]
+    for i, (_, target, args) in enumerate(_IN_ONE[:len(parts) - 1]):
+      rc = parts[i + 1].split("\n", 1)[0].strip()
+      if not _help_ok(texts[i], int(rc) if rc.isdigit() else 1):
+        failed.append(f"{target} {' '.join(args)} --help: rc {rc}\n{texts[i][-1500:]}")
+  assert not failed, "\n\n".join(failed)
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["--help"], "short"), (["-h"], "short"), (["--helpshort"], "short"), (["-?"], "short"),
+    (["--config", "c.py", "--helpfull"], "full"), (["--workdir", "w"], None),
+    (["--", "--help"], None)])
+def test_help_wanted(argv, wanted):
+  assert cli._help_wanted(argv) == wanted  # pylint: disable=protected-access
+
+
+# The flag errors of train / generate / data.prepare (absl's global FLAGS through
+# cli.parse_flags): one `error: --name: ...` line, no Python repr (escaped quotes or newlines,
+# a tuple or exception repr) and no traceback.
+_REPR_SIGNS = ("\\n", "\\'", '\\"', "('", '("', "Error(", "Traceback", "[Errno")
+
+
+def _assert_one_clean_line(p, needle):
+  err = p.stderr.strip()
+  assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+  assert len(err.splitlines()) == 1 and err.startswith("error: "), err[-2000:]
+  assert not [s for s in _REPR_SIGNS if s in err], err
+  assert needle in err, err
+
+
+@pytest.fixture(scope="module")
+def bad_config_files(tmp_path_factory):
+  d = tmp_path_factory.mktemp("configs")
+  (d / "syntax.py").write_text("def get_config(:\n")
+  (d / "noget.py").write_text("x = 1\n")
+  return d
+
+
+_TRAIN_ERRORS = [  # a --config here replaces configs/tiny.py
+    (["--config.train.stepz=3"], 'error: --config.train.stepz: no such config field; did you '
+     'mean "steps"?'),
+    (["--config.model.heads.kindd=x"], '--config.model.heads.kindd: no such config field; did '
+     'you mean "kind"?'),
+    (["--config.train.zzzzzzzzzz=1"], "--config.train.zzzzzzzzzz: no such config field"),
+    (["--config.train.steps=abc"], "--config.train.steps: abc is not an integer"),
+    (["--config.optim.lr=abc"], "--config.optim.lr: abc is not a number"),
+    (["--config.train.steps"], "--config.train.steps: missing value"),
+    (["--workdr=3"], "--workdr: unknown flag (flags: --config, --workdir"),
+    (["--config=/nonexistent/c.py"], "--config: cannot load /nonexistent/c.py: no such file"),
+    (["--config=DIR/syntax.py"], "syntax.py: invalid syntax at line 1"),
+    (["--config=DIR/noget.py"], "noget.py defines no get_config()"),
+]
+
+
+@pytest.mark.parametrize("extra, needle", _TRAIN_ERRORS)
+def test_config_flag_errors_are_clean_lines(bad_config_files, capsys, monkeypatch, extra,
+                                           needle):
+  """train's and generate's parser (cli.parse_flags) on flags as train defines them, in
+  process: a fresh FlagValues each time, defined with the command line in sys.argv (where
+  ml_collections finds the --config.* overrides to declare)."""
+  extra = [a.replace("DIR", str(bad_config_files)) for a in extra]
+  config = [] if extra[0].startswith("--config=") else [
+      "--config", os.path.join(ROOT, "configs/tiny.py")]
+  argv = ["train", *config, "--workdir", "w", *extra]
+  monkeypatch.setattr(sys, "argv", argv)
+  monkeypatch.delitem(sys.modules, "config_config", raising=False)  # ml_collections' module name
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "config file", flag_values=fv,
+                                  lock_config=True)
+  flags.DEFINE_string("workdir", None, "workdir", flag_values=fv)
+  with pytest.raises(SystemExit) as e:
+    cli.parse_flags(argv, fv)
+  err = capsys.readouterr().err
+  _assert_one_clean_line(subprocess.CompletedProcess([], e.value.code, "", err), needle)
+
+
+def test_train_config_typo_from_the_command_line(tmp_path):
+  """The real entry point: a typo in a config override is one clean line, nothing written."""
+  p = subprocess.run([sys.executable, "-m", "mtp_jax.train", "--config",
+                      os.path.join(ROOT, "configs/tiny.py"), "--workdir", str(tmp_path / "w"),
+                      "--config.train.stepz=3"], capture_output=True, text=True, timeout=300,
+                     env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+  _assert_one_clean_line(p, 'error: --config.train.stepz: no such config field; did you mean '
+                         '"steps"?')
+  assert not (tmp_path / "w").exists()
+
+
+def test_prepare_flag_errors_are_clean_lines(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  for argv, needle in [([], "error: --source: required"),
+                       (["--source", "folder:x", "--out", str(tmp_path), "--shards", "x"],
+                        "error: --shards: x is not an integer")]:
+    p = subprocess.run([sys.executable, "-m", "mtp_jax.data.prepare", *argv], env=env,
+                       capture_output=True, text=True, timeout=120)
+    _assert_one_clean_line(p, needle)

@@ -225,6 +225,8 @@ def test_analyze_cli_writes_png_and_gain_table(micro, tmp_path):
   assert "| n_params |" in p.stdout and "n=2 - n=1" in p.stdout
   out = json.loads(out_json.read_text())
   assert set(out["fits"]) == {"1", "2"} and out["fits"]["2"]["params"]["points"] == 2
+  assert out["fits"]["2"]["params"]["r2"] is None  # two points: no fit quality, said so
+  assert "2 sizes: too few points for a fit quality" in p.stdout and "r² 1.000" not in p.stdout
   table = out["table"]
   assert len(table) == 2 and table[0]["n_params"] < table[1]["n_params"]
   for e in table:

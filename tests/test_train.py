@@ -85,8 +85,9 @@ def test_reference_run_outputs(reference):
   s, wd = reference["summary"], reference["workdir"]
   assert s["step"] == 20
   for key in ("train/loss", "eval/head1_loss", "eval/head2_acc", "eval/head2_agree",
-              "tokens_per_sec", "wall_seconds", "params_sha256"):
+              "tokens_per_sec", "wall_seconds", "params_sha256", "cpu", "cpu_cores"):
     assert key in s, key
+  assert s["cpu"] and s["cpu_cores"] >= 1  # timings name the machine they come from
   assert np.isfinite(s["train/loss"])
   assert ckpt_steps(wd) == [10, 15, 20]  # keep_checkpoints = 3
   assert os.path.isfile(os.path.join(wd, "config.json"))
@@ -94,6 +95,18 @@ def test_reference_run_outputs(reference):
   lines = open(os.path.join(wd, "metrics.jsonl")).read().splitlines()
   assert json.loads(lines[0])["step"] == 1
   assert "tok/s" in reference["stdout"] and "ETA" in reference["stdout"]
+
+
+def test_rerun_of_finished_run_keeps_summary(corpus, reference, tmp_path):
+  """Rerunning a finished run (`make demo` twice) trains nothing and keeps every key and value
+  of summary.json: the speed, eval and MFU of the steps that were trained."""
+  wd = tmp_path / "run"
+  shutil.copytree(reference["workdir"], wd)
+  before = summary(wd)
+  p = run_train(corpus, wd)
+  assert "nothing to train" in p.stdout, p.stdout[-2000:]
+  assert summary(wd) == before
+  assert json.loads(p.stdout.strip().splitlines()[-1])["tokens_per_sec"] == before["tokens_per_sec"]
 
 
 def test_exact_resume_after_stop(corpus, reference, tmp_path):

@@ -31,6 +31,13 @@ class LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   so importing this module twice, or a tfds catalog dataset of the same name, cannot collide.
   """
 
+  def _log_download_bytes(self) -> None:
+    """Nothing: tfds would print "Downloading and preparing dataset Unknown size (download:
+    Unknown size, ...)" for a build that downloads nothing; builders.prepare prints its own line."""
+
+  def _log_download_done(self) -> None:
+    """Nothing, as above ("Dataset ... downloaded and prepared to ...")."""
+
   @tfds.core.utils.classproperty
   @classmethod
   def code_path(cls) -> epath.Path:

@@ -1,4 +1,4 @@
-"""Tokenize a corpus once into ArrayRecord shards for `data.corpus = "array_record"`.
+r"""Tokenize a corpus once into ArrayRecord shards for `data.corpus = "array_record"`.
 
   python -m mtp_jax.data.prepare --source tfds:NAME|folder:DIR|jsonl:FILE|hf:NAME[:CONFIG] \
       [--text_key KEY] --tokenizer byte|spm:PATH|hf:PATH --out DIR [--shards N] [--workers P]
@@ -207,5 +207,6 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
   from absl import app  # pylint: disable=g-import-not-at-top
+  from mtp_jax import cli  # pylint: disable=g-import-not-at-top
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)  # --help exits 0, a bad flag is one line

@@ -8,6 +8,11 @@
     splash  the Pallas splash-attention kernel (TPU; causal and segment ids as block masks)
     auto    cudnn on GPU, splash on TPU, cpu elsewhere
 
+The platform is the one the code is compiled for: the device platform of the mesh in context
+(`jax.set_mesh`, as training and plan_memory enter it), else jax's default backend. So an
+ahead-of-time compile for a TPU topology on a CPU host (plan_memory.py --target tpu:...) picks
+splash, and one for a GPU mesh cudnn.
+
 Every kernel computes the same function. Without a cache, query s sees key t <= s of its own
 segment (positions increase along the sequence, so this is the reference's positions test);
 with a cache, query s sees cache slot t <= positions[b, s]. A kernel that cannot take a case
@@ -39,9 +44,17 @@ def _note_fallback(asked: str, used: str, why: str):
     log.warning(msg)
 
 
+def target_platform() -> str:
+  """'cpu', 'gpu', 'tpu': the platform of the mesh in context (its devices may be a topology's
+  abstract ones, compiled for ahead of time), else the default backend's."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return device.platform if device is not None else jax.default_backend()
+
+
 def resolve(impl: str, *, cached: bool, segments: bool, dtype, backend: str | None = None) -> str:
-  """The kernel that runs for this case (static: called while tracing)."""
-  backend = backend or jax.default_backend()
+  """The kernel that runs for this case (static: called while tracing) on `backend` (default:
+  `target_platform()`)."""
+  backend = backend or target_platform()
   generic = "cpu" if backend == "cpu" else "xla"
   if impl == "auto":
     impl = {"gpu": "cudnn", "cuda": "cudnn", "tpu": "splash"}.get(backend, "cpu")

@@ -3,6 +3,8 @@ renting the chips.
 
     python experiments/plan_memory.py --config configs/paper_7b_n4.py --devices 256 \
         --mesh fsdp=256 [--batch 1024] [--hbm_gib 16] [--json plan.json] [--set model.x=...]
+    python experiments/plan_memory.py --config configs/paper_7b_n4.py --target tpu:v5e:16x16 \
+        --mesh fsdp=256 --json plan_tpu.json      # XLA:TPU, with libtpu (make .venv-tpu)
 
 Simulates `--devices` CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count, set before
 jax starts; the script re-executes itself if jax was already imported), builds the config's mesh,
@@ -23,6 +25,14 @@ v5p 95, an H100 80. To see what fills `temp`, add XLA_FLAGS="--xla_dump_to=DIR
 first): an unsharded all-gather or a stack of [S, S] attention scores shows at once.
 Each compile of a 7B or 13B model for 256 devices took 25-55 s on a busy 2-core CPU (1.4-1.8 GB
 of host memory); scanned layers keep it flat in depth.
+
+`--target tpu:TOPOLOGY` (tpu:v5e:16x16, tpu:v5p:4x4x4, tpu:v6e:8x8, ...) compiles for a real TPU
+slice instead, on this CPU host (mtp_jax.aot: libtpu's topology gives the abstract chips, the
+mesh is built from them, XLA:TPU compiles; attention_impl auto picks splash, the target's
+kernel). Memory is then XLA:TPU's buffer assignment, per chip; `--hbm_gib` defaults to the
+chip's; and the record adds the compiler's roofline time for the step (`optimal_seconds` of
+`cost_analysis()`) and the MFU it implies (flops.py's model FLOPs over optimal_seconds x the
+datasheet peak): the TPU compiler's estimate, not a measured time. ~80 s a 7B compile.
 """
 
 from __future__ import annotations
@@ -35,22 +45,29 @@ import re
 import sys
 import time
 
+from mtp_jax import aot  # jax-free: the device count and the TPU env are set before jax starts
+
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--config", required=True, help="an ml_collections config file")
-  p.add_argument("--devices", type=int, required=True, help="simulated devices (chips)")
+  p.add_argument("--target", default="cpu", help=aot.TARGET_HELP)
+  p.add_argument("--devices", type=int, default=0, help="simulated devices (chips): required "
+                 "for --target cpu; a TPU target's are its topology's")
   p.add_argument("--mesh", default="", help="axis sizes, e.g. fsdp=256 or data=2,fsdp=128; "
                  "axes not named keep the config's value (one -1 fills)")
   p.add_argument("--batch", type=int, default=0, help="global batch (train.batch_size); "
                  "0 keeps the config's")
-  p.add_argument("--hbm_gib", type=float, default=16.0,
-                 help="memory per chip, GiB (default 16: TPU v5e; v4/v6e 32, v5p 95)")
+  p.add_argument("--hbm_gib", type=float, default=0.0,
+                 help="memory per chip, GiB (default: a TPU target's chip; else 16, a TPU v5e; "
+                 "v4/v6e 32, v5p 95)")
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="config override, repeatable: --set model.d_model=64")
   p.add_argument("--no_baseline", action="store_true", help="skip the n_future = 1 compile")
+  p.add_argument("--no_cost", action="store_true", help="skip the compile for the compiler's "
+                 "step time (XLA:TPU only: one micro-batch, every scan unrolled)")
   p.add_argument("--json", default="", help="write the records here")
   return p.parse_args(argv)
 
@@ -108,11 +125,32 @@ def _set(c, field: str, value: str) -> None:
   node[name] = new
 
 
-def plan(config, n_future: int) -> dict:
-  """Compiles the train step for `config` with `n_future` heads; memory per device."""
+def _compile_step(model, tx, c, mesh, state, rows: int):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  state_sh = jax.tree.map(lambda s: s.sharding, state)
+  batch_sh = shard_lib.batch_sharding(mesh)
+  batch = {k: jax.ShapeDtypeStruct((rows, c.data.seq_len), jnp.int32, sharding=batch_sh)
+           for k in ("tokens", "segment_ids")}
+  # Built outside the mesh context: make_train_step makes a jnp array eagerly, which under the
+  # mesh would be placed on its devices (abstract ones, for a TPU topology: an error).
+  step = jax.jit(steps_lib.make_train_step(model, tx, c), in_shardings=(state_sh, batch_sh),
+                 out_shardings=(state_sh, None), donate_argnums=0)
+  with shard_lib.activation_rules(mesh, c):  # traced here: attention picks the mesh's kernel
+    return step.lower(state, batch).compile()
+
+
+def plan(config, n_future: int, devices=None, cost: bool = True) -> dict:
+  """Compiles the train step for `config` with `n_future` heads, for `devices` (default
+  jax.devices(); a TPU topology's abstract devices compile with XLA:TPU); memory per device and
+  the compiler's cost. `cost` (where the compiler gives a time: XLA:TPU) compiles the step again
+  for its cost: one micro-batch, every scan unrolled (cost_analysis counts a loop body once),
+  x grad_accum."""
+  import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
+  from mtp_jax import flops as flops_lib  # pylint: disable=import-outside-toplevel
   from mtp_jax import optimizer as optim_lib  # pylint: disable=import-outside-toplevel
   from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
   from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
@@ -125,25 +163,22 @@ def plan(config, n_future: int) -> dict:
     c.loss.head_weights = "uniform"  # a per-head list does not fit another head count
   model = build_model(c)  # validates
   tx = optim_lib.make_optimizer(c)
-  mesh = shard_lib.make_mesh(c)
+  mesh = shard_lib.make_mesh(c, devices)
   shard_lib.check_batch(c, mesh)
   state = steps_lib.abstract_state(model, tx, c, mesh)
-  state_sh = jax.tree.map(lambda s: s.sharding, state)
-  batch_sh = shard_lib.batch_sharding(mesh)
   B, S = c.train.batch_size, c.data.seq_len
-  batch = {k: jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=batch_sh)
-           for k in ("tokens", "segment_ids")}
   t0 = time.perf_counter()
-  with shard_lib.activation_rules(mesh, c):
-    step = jax.jit(steps_lib.make_train_step(model, tx, c), in_shardings=(state_sh, batch_sh),
-                   out_shardings=(state_sh, None), donate_argnums=0)
-    compiled = step.lower(state, batch).compile()
+  compiled = _compile_step(model, tx, c, mesh, state, B)
   compile_s = time.perf_counter() - t0
   m = compiled.memory_analysis()
   shard_bytes = lambda tree: sum(
       int(np.prod(s.sharding.shard_shape(s.shape))) * np.dtype(s.dtype).itemsize
       for s in jax.tree.leaves(tree))
+  device = mesh.devices.flat[0]
+  model_flops = flops_lib.flops_per_token(c)["total"] * B * S / mesh.devices.size
+  loops_once = aot.cost_record(compiled, device, c.model.dtype, model_flops)
   rec = {
+      **loops_once,
       "n_future": n_future,
       "head_kind": c.model.heads.kind,
       "n_params": int(sum(np.prod(s.shape) for s in jax.tree.leaves(state.params))),
@@ -151,6 +186,7 @@ def plan(config, n_future: int) -> dict:
       "devices": int(mesh.devices.size),
       "batch": B, "seq_len": S, "grad_accum": c.train.grad_accum,
       "dtype": c.model.dtype, "remat_policy": c.model.remat_policy,
+      "attention_impl": c.model.attention_impl,
       "token_chunks": c.loss.token_chunks,
       "state_bytes_per_device": shard_bytes(state),
       "argument_bytes": int(m.argument_size_in_bytes),
@@ -161,6 +197,24 @@ def plan(config, n_future: int) -> dict:
   }
   rec["peak_bytes"] = (rec["argument_bytes"] + rec["temp_bytes"]
                        + max(rec["output_bytes"] - rec["alias_bytes"], 0))
+  rec["optimal_seconds_loops_once"] = rec["optimal_seconds"]  # the memory compile's: too low
+  rec["optimal_seconds"] = rec["mfu_at_optimal_seconds"] = None
+  if cost and loops_once["optimal_seconds"] is not None:
+    A = c.train.grad_accum
+    cm = c.copy_and_resolve_references()
+    cm.train.grad_accum, cm.train.batch_size = 1, B // A
+    t0 = time.perf_counter()
+    with aot.unrolled_scans():
+      micro = _compile_step(model, tx, cm, mesh, state, B // A)
+    one = aot.cost_record(micro, device, c.model.dtype, model_flops / A)
+    rec.update(
+        optimal_seconds=A * one["optimal_seconds"], mfu_at_optimal_seconds=one[
+            "mfu_at_optimal_seconds"], compiler_flops=A * one["compiler_flops"],
+        compiler_bytes_accessed=A * one["compiler_bytes_accessed"],
+        cost_method=f"micro-batch {B // A} compiled with every scan unrolled, x {A} micro-batches"
+        " (the optimizer update counted A times)",
+        cost_while_loops=aot.while_loops(micro),
+        cost_compile_seconds=round(time.perf_counter() - t0, 1))
   return rec
 
 
@@ -173,9 +227,10 @@ def report(records: list[dict], hbm_gib: float, config_path: str) -> str:
   count = lambda n: f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
   lines = [
       f"{config_path}: {first['head_kind']} heads, {count(first['n_params'])} params, "
-      f"mesh {mesh} ({first['devices']} simulated devices), batch {first['batch']} x "
-      f"{first['seq_len']} (grad_accum {first['grad_accum']}), {first['dtype']}, remat "
-      f"{first['remat_policy']}",
+      f"mesh {mesh} ({first['devices']} {first['device_kind']} devices"
+      f"{', simulated' if first['compiler'] == 'XLA:CPU' else ', abstract'}), compiled by "
+      f"{first['compiler']}, batch {first['batch']} x {first['seq_len']} (grad_accum "
+      f"{first['grad_accum']}), {first['dtype']}, remat {first['remat_policy']}",
       "",
       f"| {unit} per device | " + " | ".join(f"n_future={r['n_future']}" for r in records)
       + (" | MTP extra |" if len(records) == 2 else " |"),
@@ -198,30 +253,52 @@ def report(records: list[dict], hbm_gib: float, config_path: str) -> str:
     lines.append(f"n_future={r['n_future']}: peak {r['peak_bytes'] / scale:.2f} {unit} per device "
                  f"{verdict} {hbm_gib:g} GiB per chip ({100 * peak / hbm_gib:.0f}%; compiled in "
                  f"{r['compile_seconds']:.0f}s)")
+  for r in records:
+    if r["optimal_seconds"]:
+      mfu = r["mfu_at_optimal_seconds"]
+      lines.append(f"n_future={r['n_future']}: {r['compiler']} estimates "
+                   f"{r['optimal_seconds']:.4g} s per step (cost_analysis optimal_seconds; not "
+                   "measured)" + (f", MFU {100 * mfu:.0f}% at that time" if mfu else ""))
   return "\n".join(lines)
 
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  if args.devices < 1:
-    print("error: --devices: must be >= 1", file=sys.stderr)
-    return 2
-  ensure_devices(args.devices)
   try:
+    target = aot.parse_target(args.target)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if target[0] == "cpu":
+    if args.devices < 1:
+      print("error: --devices: must be >= 1 (the simulated CPU devices of --target cpu)",
+            file=sys.stderr)
+      return 2
+    ensure_devices(args.devices)
+  else:
+    aot.prepare_env(target)
+  try:
+    devices = aot.target_devices(target) if target[0] != "cpu" else None
+    if devices is not None and args.devices not in (0, len(devices)):
+      raise ValueError(f"--devices: {args.target} has {len(devices)} devices, got "
+                       f"{args.devices} (leave it out)")
+    hbm = args.hbm_gib or (devices and aot.hbm_gib(devices[0])) or 16.0
     config = load_config(args.config, args.set, args.mesh, args.batch)
-    records = [plan(config, config.model.n_future)]
+    records = [plan(config, config.model.n_future, devices, not args.no_cost)]
     if not args.no_baseline and config.model.n_future > 1:
-      records.append(plan(config, 1))
+      records.append(plan(config, 1, devices, not args.no_cost))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   for r in records:
-    r["hbm_gib"] = args.hbm_gib
-    r["fits"] = r["peak_bytes"] <= args.hbm_gib * 2**30
-  print(report(records, args.hbm_gib, args.config), flush=True)
+    r["target"] = args.target
+    r["hbm_gib"] = hbm
+    r["fits"] = r["peak_bytes"] <= hbm * 2**30
+  print(report(records, hbm, args.config), flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"config": args.config, "overrides": args.set, "records": records}, f, indent=2)
+      json.dump({"config": args.config, "target": args.target, "overrides": args.set,
+                 "records": records}, f, indent=2)
   return 0
 
 

@@ -29,6 +29,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from mtp_jax import sharding
 
 IMPLS = ("auto", "einsum", "cpu", "xla", "cudnn", "splash")
 NEG = -1e30  # finite: a fully masked row (a padding query) stays a uniform softmax, never NaN
@@ -97,7 +100,7 @@ def attend(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS=None,
   try:  # the fused kernels check shapes and dtypes while tracing
     if used == "cudnn":
       return xla_attention(*args, cached=cached, implementation="cudnn")
-    return splash_attention(*args)
+    return _splash_on_mesh(*args)
   except (ValueError, NotImplementedError, RuntimeError) as e:
     _note_fallback(impl, "xla", f"{used} refused this case ({str(e).splitlines()[0]})")
     return xla_attention(*args, cached=cached, implementation="xla")
@@ -192,6 +195,25 @@ def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   return jax.nn.dot_product_attention(
       q_BxSxHxE.astype(k_BxTxKxE.dtype), k_BxTxKxE, v_BxTxKxE, mask=mask,
       is_causal=not cached, implementation=implementation)
+
+
+def _splash_on_mesh(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS):
+  """splash_attention, shard_mapped over the batch and head axes of the enclosing
+  sharding.activation_rules (GSPMD cannot partition a Mosaic kernel: "Mosaic kernels cannot be
+  automatically partitioned"): each device runs the kernel on its own rows and heads (a kv head's
+  query heads stay on its device). Outside activation_rules, the plain call."""
+  active = sharding.active_spec(("batch", "seq", "heads", "head_dim"))
+  if active is None:
+    return splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS)
+  mesh, q_spec = active
+  kv_spec = sharding.active_spec(("batch", "seq", "kv_heads", "head_dim"))[1]
+  rows_spec = P(*q_spec[:2])
+  segments = segment_ids_BxS is not None
+  kernel = lambda q, k, v, *seg: splash_attention(q, k, v, None, seg[0] if seg else None)
+  return jax.shard_map(
+      kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + ((rows_spec,) if segments else ()),
+      out_specs=q_spec, check_vma=False)(
+          q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, *((segment_ids_BxS,) if segments else ()))
 
 
 def splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,

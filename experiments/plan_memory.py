@@ -66,8 +66,10 @@ def parse_args(argv):
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="config override, repeatable: --set model.d_model=64")
   p.add_argument("--no_baseline", action="store_true", help="skip the n_future = 1 compile")
-  p.add_argument("--no_cost", action="store_true", help="skip the compile for the compiler's "
-                 "step time (XLA:TPU only: one micro-batch, every scan unrolled)")
+  p.add_argument("--cost", choices=("depth", "full", "none"), default="depth",
+                 help="XLA:TPU's step time: one micro-batch compiled with every scan unrolled, "
+                 "the trunk 1 and 2 blocks deep and extrapolated (depth), or all of it (full: "
+                 "slow); none skips it")
   p.add_argument("--json", default="", help="write the records here")
   return p.parse_args(argv)
 
@@ -142,12 +144,52 @@ def _compile_step(model, tx, c, mesh, state, rows: int):
     return step.lower(state, batch).compile()
 
 
-def plan(config, n_future: int, devices=None, cost: bool = True) -> dict:
+def step_cost(c, n_trunk: int, mesh, model_flops: float, how) -> dict:
+  """XLA:TPU's roofline time for a train step of `c`. cost_analysis counts a loop body once, so
+  one micro-batch (grad_accum 1) is compiled with every scan unrolled and counted grad_accum
+  times (the optimizer update with it: a shard of the params, small against the micro-batch).
+  Unrolled depth is what makes that compile slow: with `how` = "depth" the trunk is compiled 1
+  and 2 blocks deep and the cost extrapolated linearly to n_trunk blocks (every block is the same
+  program); "full" compiles all of it."""
+  from mtp_jax import optimizer as optim_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
+  A, B = c.train.grad_accum, c.train.batch_size
+  device = mesh.devices.flat[0]
+  depths = (n_trunk,) if how == "full" or n_trunk <= 2 else (1, 2)
+  t0 = time.perf_counter()
+  costs, loops = [], 0
+  for depth in depths:
+    cm = c.copy_and_resolve_references()
+    cm.train.grad_accum, cm.train.batch_size = 1, B // A
+    cm.model.n_layers = c.model.n_layers - n_trunk + depth
+    model, tx = build_model(cm), optim_lib.make_optimizer(cm)
+    state = steps_lib.abstract_state(model, tx, cm, mesh)
+    with aot.unrolled_scans():
+      compiled = _compile_step(model, tx, cm, mesh, state, B // A)
+    costs.append(aot.cost_record(compiled, device, c.model.dtype, None))
+    loops += aot.while_loops(compiled)
+  keys = ("optimal_seconds", "compiler_flops", "compiler_bytes_accessed")
+  if len(costs) == 1:
+    out = {k: A * costs[0][k] for k in keys}
+  else:
+    out = {k: A * (costs[0][k] + (costs[1][k] - costs[0][k]) * (n_trunk - 1)) for k in keys}
+  peak = costs[0]["peak_flops_per_device"]
+  out["mfu_at_optimal_seconds"] = model_flops / (out["optimal_seconds"] * peak) if peak else None
+  out["cost_method"] = (
+      f"one micro-batch ({B // A} rows) compiled with every scan unrolled, x {A} micro-batches; "
+      + ("the whole trunk" if len(costs) == 1 else
+         f"trunk 1 and 2 blocks deep, extrapolated linearly to {n_trunk}"))
+  out["cost_while_loops"] = loops
+  out["cost_compile_seconds"] = round(time.perf_counter() - t0, 1)
+  return out
+
+
+def plan(config, n_future: int, devices=None, cost: str = "depth") -> dict:
   """Compiles the train step for `config` with `n_future` heads, for `devices` (default
   jax.devices(); a TPU topology's abstract devices compile with XLA:TPU); memory per device and
-  the compiler's cost. `cost` (where the compiler gives a time: XLA:TPU) compiles the step again
-  for its cost: one micro-batch, every scan unrolled (cost_analysis counts a loop body once),
-  x grad_accum."""
+  the compiler's cost. Where the compiler gives a time (XLA:TPU), `cost` ("depth", "full"; ""
+  skips it) compiles the step again for its cost: `step_cost`."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from mtp_jax import flops as flops_lib  # pylint: disable=import-outside-toplevel
@@ -187,6 +229,7 @@ def plan(config, n_future: int, devices=None, cost: bool = True) -> dict:
       "batch": B, "seq_len": S, "grad_accum": c.train.grad_accum,
       "dtype": c.model.dtype, "remat_policy": c.model.remat_policy,
       "attention_impl": c.model.attention_impl,
+      "mosaic_kernel_calls": aot.mosaic_calls(compiled),  # splash attention on a TPU target
       "token_chunks": c.loss.token_chunks,
       "state_bytes_per_device": shard_bytes(state),
       "argument_bytes": int(m.argument_size_in_bytes),
@@ -200,21 +243,7 @@ def plan(config, n_future: int, devices=None, cost: bool = True) -> dict:
   rec["optimal_seconds_loops_once"] = rec["optimal_seconds"]  # the memory compile's: too low
   rec["optimal_seconds"] = rec["mfu_at_optimal_seconds"] = None
   if cost and loops_once["optimal_seconds"] is not None:
-    A = c.train.grad_accum
-    cm = c.copy_and_resolve_references()
-    cm.train.grad_accum, cm.train.batch_size = 1, B // A
-    t0 = time.perf_counter()
-    with aot.unrolled_scans():
-      micro = _compile_step(model, tx, cm, mesh, state, B // A)
-    one = aot.cost_record(micro, device, c.model.dtype, model_flops / A)
-    rec.update(
-        optimal_seconds=A * one["optimal_seconds"], mfu_at_optimal_seconds=one[
-            "mfu_at_optimal_seconds"], compiler_flops=A * one["compiler_flops"],
-        compiler_bytes_accessed=A * one["compiler_bytes_accessed"],
-        cost_method=f"micro-batch {B // A} compiled with every scan unrolled, x {A} micro-batches"
-        " (the optimizer update counted A times)",
-        cost_while_loops=aot.while_loops(micro),
-        cost_compile_seconds=round(time.perf_counter() - t0, 1))
+    rec.update(step_cost(c, model.args.n_trunk, mesh, model_flops, cost))
   return rec
 
 
@@ -284,9 +313,10 @@ def main(argv=None) -> int:
                        f"{args.devices} (leave it out)")
     hbm = args.hbm_gib or (devices and aot.hbm_gib(devices[0])) or 16.0
     config = load_config(args.config, args.set, args.mesh, args.batch)
-    records = [plan(config, config.model.n_future, devices, not args.no_cost)]
+    cost = "" if args.cost == "none" else args.cost
+    records = [plan(config, config.model.n_future, devices, cost)]
     if not args.no_baseline and config.model.n_future > 1:
-      records.append(plan(config, 1, devices, not args.no_cost))
+      records.append(plan(config, 1, devices, cost))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -141,3 +141,8 @@ def while_loops(compiled) -> int:
   """While loops left in a compiled program (each one's body is counted once by cost_analysis).
   """
   return len(re.findall(r"= [^=\n]*\bwhile\(", compiled.as_text()))
+
+
+def mosaic_calls(compiled) -> int:
+  """Pallas TPU (Mosaic) kernels in a compiled program, e.g. the splash attention kernel."""
+  return compiled.as_text().count('custom_call_target="tpu_custom_call"')

@@ -18,6 +18,7 @@ those a come from a small byte-level model, not from these shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -54,7 +55,8 @@ def forward_cost(model_args, k: int, batch: int, context: int, dtype, device) ->
   params = jax.eval_shape(lambda: nn.unbox(MTPModel(model_args).init(
       jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]))
   params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), params)
-  p, a = decode_lib.slice_heads(params, model_args, k)
+  p = jax.eval_shape(lambda q: decode_lib.slice_heads(q, model_args, k)[0], params)
+  a = dataclasses.replace(model_args, n_future=k)  # as slice_heads' args
   model = MTPModel(a)
   cache = jax.eval_shape(lambda: init_decode_cache(a, batch, context + k + 1, dtype=dtype))
   mesh = jax.sharding.Mesh(np.asarray([device]), ("data",))

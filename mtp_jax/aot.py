@@ -61,6 +61,9 @@ def prepare_env(target: tuple[str, str | None]) -> None:
     return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  # libtpu takes /tmp/libtpu_lockfile, so a second process (another compile, a test) fails with
+  # "Internal error when accessing libtpu multi-process lockfile"; no chip is used here.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE",
                         _ACCELERATOR_TYPE.get(topology.split(":")[0], "v5litepod-4"))

@@ -70,6 +70,8 @@ def parse_args(argv):
                  help="XLA:TPU's step time: one micro-batch compiled with every scan unrolled, "
                  "the trunk 1 and 2 blocks deep and extrapolated (depth), or all of it (full: "
                  "slow); none skips it")
+  p.add_argument("--cost_only", action="store_true", help="add the --cost fields to the "
+                 "records already in --json (an earlier run's), skipping the memory compiles")
   p.add_argument("--json", default="", help="write the records here")
   return p.parse_args(argv)
 
@@ -185,6 +187,37 @@ def step_cost(c, n_trunk: int, mesh, model_flops: float, how) -> dict:
   return out
 
 
+def _variant(config, n_future: int):
+  from mtp_jax.config import parse_head_weights  # pylint: disable=import-outside-toplevel
+  c = config.copy_and_resolve_references()
+  c.model.n_future = n_future
+  if not isinstance(parse_head_weights(c.loss.head_weights), str):
+    c.loss.head_weights = "uniform"  # a per-head list does not fit another head count
+  return c
+
+
+def add_cost(args, config, devices, how: str) -> None:
+  """--cost_only: step_cost's fields added to the records of an earlier run's --json (same
+  config, overrides and target), without compiling for memory again."""
+  from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
+  with open(args.json) as f:
+    saved = json.load(f)
+  if (saved.get("config"), saved.get("target"), saved.get("overrides")) != (
+      args.config, args.target, args.set):
+    raise ValueError(f"--cost_only: {args.json} was written for another --config, --target or "
+                     "--set")
+  for r in saved["records"]:
+    c = _variant(config, r["n_future"])
+    mesh = shard_lib.make_mesh(c, devices)
+    r.update(step_cost(c, build_model(c).args.n_trunk, mesh, r["model_flops_per_device"], how))
+    print(f"n_future={r['n_future']}: {r['compiler']} estimates {r['optimal_seconds']:.4g} s per "
+          f"step (not measured), MFU {100 * r['mfu_at_optimal_seconds']:.0f}% at that time",
+          flush=True)
+  with open(args.json, "w") as f:
+    json.dump(saved, f, indent=2)
+
+
 def plan(config, n_future: int, devices=None, cost: str = "depth") -> dict:
   """Compiles the train step for `config` with `n_future` heads, for `devices` (default
   jax.devices(); a TPU topology's abstract devices compile with XLA:TPU); memory per device and
@@ -196,13 +229,9 @@ def plan(config, n_future: int, devices=None, cost: str = "depth") -> dict:
   from mtp_jax import optimizer as optim_lib  # pylint: disable=import-outside-toplevel
   from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
   from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax.config import parse_head_weights  # pylint: disable=import-outside-toplevel
   from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
 
-  c = config.copy_and_resolve_references()
-  c.model.n_future = n_future
-  if not isinstance(parse_head_weights(c.loss.head_weights), str):
-    c.loss.head_weights = "uniform"  # a per-head list does not fit another head count
+  c = _variant(config, n_future)
   model = build_model(c)  # validates
   tx = optim_lib.make_optimizer(c)
   mesh = shard_lib.make_mesh(c, devices)
@@ -314,6 +343,11 @@ def main(argv=None) -> int:
     hbm = args.hbm_gib or (devices and aot.hbm_gib(devices[0])) or 16.0
     config = load_config(args.config, args.set, args.mesh, args.batch)
     cost = "" if args.cost == "none" else args.cost
+    if args.cost_only:
+      if not (cost and args.json and target[0] == "tpu"):
+        raise ValueError("--cost_only: needs --json of an earlier run, a TPU --target and --cost")
+      add_cost(args, config, devices, cost)
+      return 0
     records = [plan(config, config.model.n_future, devices, cost)]
     if not args.no_baseline and config.model.n_future > 1:
       records.append(plan(config, 1, devices, cost))

@@ -19,15 +19,18 @@ def plan_rows(paths: list[str]) -> list[str]:
   for path in paths:
     with open(path) as f:
       d = json.load(f)
+    over = d.get("overrides")
     for r in d["records"]:
+      method = r.get("cost_method", "")
+      method = "depth-extrapolated" if "extrapolated" in method else "unrolled" if method else ""
       target = r.get("target") or d.get("target") or f"cpu ({r['devices']} simulated)"
       seconds = r.get("optimal_seconds")
       mfu = r.get("mfu_at_optimal_seconds")
       out.append(
-          f"| {d['config']}{' ' + ' '.join(d['overrides']) if d.get('overrides') else ''} | "
+          f"| {d['config']}{f' ({len(over)} --set, in the JSON)' if over else ''} | "
           f"{target} | {r.get('compiler', 'XLA:CPU')} | {r['n_future']} | "
           f"{r['peak_bytes'] / GIB:.2f} | {r['hbm_gib']:g} | {'yes' if r['fits'] else 'no'} | "
-          f"{f'{seconds:.3g}' if seconds else '-'} | {f'{100 * mfu:.0f}%' if mfu else '-'} |")
+          f"{f'{seconds:.3g} ({method})' if seconds else '-'} | {f'{100 * mfu:.0f}%' if mfu else '-'} |")
   return out
 
 

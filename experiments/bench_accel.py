@@ -25,6 +25,10 @@ Tk_fwd from a one-token and a k-token forward timed on their own (decode.forward
 in-loop a * T1 / Tc would equal S_measured by construction). With the random-init params a is
 meaningless (only the times are); `--workdir DIR` decodes a trained
 model instead, on held-out windows of its validation split.
+
+`--target tpu:TOPOLOGY` (libtpu: make .venv-tpu) runs nothing: experiments/aot_decode.py compiles
+the decode cost model's T1 and Tk forwards for `--sizes` with XLA:TPU and reports the compiler's
+estimates and the S they predict with acceptances measured on a CPU-trained model.
 """
 
 from __future__ import annotations
@@ -214,8 +218,9 @@ def bench_decode(params, args, prompts_for, max_new: int, pad_id: int = 0,
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--size", choices=list(SIZES), default="tiny")
-  ap.add_argument("--dtype", choices=list(config_lib.DTYPES), default="float32",
-                  help="compute dtype (params and optimizer state stay float32)")
+  ap.add_argument("--dtype", choices=list(config_lib.DTYPES), default=None,
+                  help="compute dtype (params and optimizer state stay float32); default "
+                  "float32, bfloat16 (params and cache too) with --target")
   ap.add_argument("--batch", default="default",
                   help="'default' (the size's), 'auto' (fill the device) or a number")
   ap.add_argument("--fill", type=float, default=0.85, help="--batch auto: memory fraction")
@@ -227,7 +232,18 @@ def main(argv=None) -> dict:
   ap.add_argument("--workdir", default=None, help="decode this trained model instead")
   ap.add_argument("--set", nargs="*", default=[], help="config overrides: model.remat_policy=full")
   ap.add_argument("--json", default=None, help="also write the record here")
+  ap.add_argument("--target", default="", help="tpu:TOPOLOGY: XLA:TPU's estimates of the decode "
+                  "cost model instead of measurements (experiments/aot_decode.py)")
+  ap.add_argument("--sizes", default="125m,350m,1.3b", help="--target: sizes, comma-separated")
+  ap.add_argument("--context", type=int, default=192, help="--target: cached tokens")
+  ap.add_argument("--acceptance", default=os.path.join(os.path.dirname(
+      os.path.abspath(__file__)), "results", "bench_decode.json"),
+                  help="--target: bench_decode.py JSON with the measured a per batch")
+  ap.add_argument("--acceptance_prompt_len", type=int, default=64)
   args = ap.parse_args(argv)
+  if args.target:
+    return _aot_main(args)
+  args.dtype = args.dtype or "float32"
   if args.batch not in ("default", "auto") and not (args.batch.isdigit() and int(args.batch) > 0):
     raise ValueError(f"--batch: got {args.batch!r}, allowed: 'default', 'auto' or a positive "
                      "integer")
@@ -277,6 +293,26 @@ def main(argv=None) -> dict:
                       "runs": bench_decode(params, model_args, prompts_for, max_new, pad_id,
                                            args.decode_reps)}
   text = json.dumps(runtime.stamp(record), indent=2)
+  print(text)
+  if args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+      f.write(text + "\n")
+  return record
+
+
+def _aot_main(args) -> dict:
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import aot_decode  # pylint: disable=import-outside-toplevel
+  sizes = [x for x in args.sizes.split(",") if x]
+  bad = [x for x in sizes if x not in SIZES]
+  if bad or not sizes:
+    raise ValueError(f"--sizes: got {args.sizes!r}, allowed: {', '.join(SIZES)}")
+  dtype = args.dtype or "bfloat16"
+  make = lambda size, n, dt, b: make_config(size, n, dt, b, args.set)
+  record = aot_decode.estimate(args.target, sizes, make, K, dtype, args.context,
+                               args.acceptance, args.acceptance_prompt_len)
+  text = json.dumps(record, indent=2)
   print(text)
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

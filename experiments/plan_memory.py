@@ -3,6 +3,8 @@ renting the chips.
 
     python experiments/plan_memory.py --config configs/paper_7b_n4.py --devices 256 \
         --mesh fsdp=256 [--batch 1024] [--hbm_gib 16] [--json plan.json] [--set model.x=...]
+    python experiments/plan_memory.py --config configs/paper_7b_n4.py --target tpu:v5e:16x16 \
+        --mesh fsdp=256 --json plan_tpu.json      # XLA:TPU, with libtpu (make .venv-tpu)
 
 Simulates `--devices` CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count, set before
 jax starts; the script re-executes itself if jax was already imported), builds the config's mesh,
@@ -23,6 +25,14 @@ v5p 95, an H100 80. To see what fills `temp`, add XLA_FLAGS="--xla_dump_to=DIR
 first): an unsharded all-gather or a stack of [S, S] attention scores shows at once.
 Each compile of a 7B or 13B model for 256 devices took 25-55 s on a busy 2-core CPU (1.4-1.8 GB
 of host memory); scanned layers keep it flat in depth.
+
+`--target tpu:TOPOLOGY` (tpu:v5e:16x16, tpu:v5p:4x4x4, tpu:v6e:8x8, ...) compiles for a real TPU
+slice instead, on this CPU host (mtp_jax.aot: libtpu's topology gives the abstract chips, the
+mesh is built from them, XLA:TPU compiles; attention_impl auto picks splash, the target's
+kernel). Memory is then XLA:TPU's buffer assignment, per chip; `--hbm_gib` defaults to the
+chip's; and the record adds the compiler's roofline time for the step (`optimal_seconds` of
+`cost_analysis()`) and the MFU it implies (flops.py's model FLOPs over optimal_seconds x the
+datasheet peak): the TPU compiler's estimate, not a measured time. ~80 s a 7B compile.
 """
 
 from __future__ import annotations
@@ -35,22 +45,33 @@ import re
 import sys
 import time
 
+from mtp_jax import aot  # jax-free: the device count and the TPU env are set before jax starts
+
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--config", required=True, help="an ml_collections config file")
-  p.add_argument("--devices", type=int, required=True, help="simulated devices (chips)")
+  p.add_argument("--target", default="cpu", help=aot.TARGET_HELP)
+  p.add_argument("--devices", type=int, default=0, help="simulated devices (chips): required "
+                 "for --target cpu; a TPU target's are its topology's")
   p.add_argument("--mesh", default="", help="axis sizes, e.g. fsdp=256 or data=2,fsdp=128; "
                  "axes not named keep the config's value (one -1 fills)")
   p.add_argument("--batch", type=int, default=0, help="global batch (train.batch_size); "
                  "0 keeps the config's")
-  p.add_argument("--hbm_gib", type=float, default=16.0,
-                 help="memory per chip, GiB (default 16: TPU v5e; v4/v6e 32, v5p 95)")
+  p.add_argument("--hbm_gib", type=float, default=0.0,
+                 help="memory per chip, GiB (default: a TPU target's chip; else 16, a TPU v5e; "
+                 "v4/v6e 32, v5p 95)")
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="config override, repeatable: --set model.d_model=64")
   p.add_argument("--no_baseline", action="store_true", help="skip the n_future = 1 compile")
+  p.add_argument("--cost", choices=("depth", "full", "none"), default="depth",
+                 help="XLA:TPU's step time: one micro-batch compiled with every scan unrolled, "
+                 "the trunk 1 and 2 blocks deep and extrapolated (depth), or all of it (full: "
+                 "slow); none skips it")
+  p.add_argument("--cost_only", action="store_true", help="add the --cost fields to the "
+                 "records already in --json (an earlier run's), skipping the memory compiles")
   p.add_argument("--json", default="", help="write the records here")
   return p.parse_args(argv)
 
@@ -108,42 +129,127 @@ def _set(c, field: str, value: str) -> None:
   node[name] = new
 
 
-def plan(config, n_future: int) -> dict:
-  """Compiles the train step for `config` with `n_future` heads; memory per device."""
+def _compile_step(model, tx, c, mesh, state, rows: int):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from mtp_jax import optimizer as optim_lib  # pylint: disable=import-outside-toplevel
   from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
   from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax.config import parse_head_weights  # pylint: disable=import-outside-toplevel
-  from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
+  state_sh = jax.tree.map(lambda s: s.sharding, state)
+  batch_sh = shard_lib.batch_sharding(mesh)
+  batch = {k: jax.ShapeDtypeStruct((rows, c.data.seq_len), jnp.int32, sharding=batch_sh)
+           for k in ("tokens", "segment_ids")}
+  # Built outside the mesh context: make_train_step makes a jnp array eagerly, which under the
+  # mesh would be placed on its devices (abstract ones, for a TPU topology: an error).
+  step = jax.jit(steps_lib.make_train_step(model, tx, c), in_shardings=(state_sh, batch_sh),
+                 out_shardings=(state_sh, None), donate_argnums=0)
+  with shard_lib.activation_rules(mesh, c):  # traced here: attention picks the mesh's kernel
+    return step.lower(state, batch).compile()
 
+
+def step_cost(c, n_trunk: int, mesh, model_flops: float, how) -> dict:
+  """XLA:TPU's roofline time for a train step of `c`. cost_analysis counts a loop body once, so
+  one micro-batch (grad_accum 1) is compiled with every scan unrolled and counted grad_accum
+  times (the optimizer update with it: a shard of the params, small against the micro-batch).
+  Unrolled depth is what makes that compile slow: with `how` = "depth" the trunk is compiled 1
+  and 2 blocks deep and the cost extrapolated linearly to n_trunk blocks (every block is the same
+  program); "full" compiles all of it."""
+  from mtp_jax import optimizer as optim_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
+  A, B = c.train.grad_accum, c.train.batch_size
+  device = mesh.devices.flat[0]
+  depths = (n_trunk,) if how == "full" or n_trunk <= 2 else (1, 2)
+  t0 = time.perf_counter()
+  costs, loops = [], 0
+  for depth in depths:
+    cm = c.copy_and_resolve_references()
+    cm.train.grad_accum, cm.train.batch_size = 1, B // A
+    cm.model.n_layers = c.model.n_layers - n_trunk + depth
+    model, tx = build_model(cm), optim_lib.make_optimizer(cm)
+    state = steps_lib.abstract_state(model, tx, cm, mesh)
+    with aot.unrolled_scans():
+      compiled = _compile_step(model, tx, cm, mesh, state, B // A)
+    costs.append(aot.cost_record(compiled, device, c.model.dtype, None))
+    loops += aot.while_loops(compiled)
+  keys = ("optimal_seconds", "compiler_flops", "compiler_bytes_accessed")
+  if len(costs) == 1:
+    out = {k: A * costs[0][k] for k in keys}
+  else:
+    out = {k: A * (costs[0][k] + (costs[1][k] - costs[0][k]) * (n_trunk - 1)) for k in keys}
+  peak = costs[0]["peak_flops_per_device"]
+  out["mfu_at_optimal_seconds"] = model_flops / (out["optimal_seconds"] * peak) if peak else None
+  out["cost_method"] = (
+      f"one micro-batch ({B // A} rows) compiled with every scan unrolled, x {A} micro-batches; "
+      + ("the whole trunk" if len(costs) == 1 else
+         f"trunk 1 and 2 blocks deep, extrapolated linearly to {n_trunk}"))
+  out["cost_while_loops"] = loops
+  out["cost_compile_seconds"] = round(time.perf_counter() - t0, 1)
+  return out
+
+
+def _variant(config, n_future: int):
+  from mtp_jax.config import parse_head_weights  # pylint: disable=import-outside-toplevel
   c = config.copy_and_resolve_references()
   c.model.n_future = n_future
   if not isinstance(parse_head_weights(c.loss.head_weights), str):
     c.loss.head_weights = "uniform"  # a per-head list does not fit another head count
+  return c
+
+
+def add_cost(args, config, devices, how: str) -> None:
+  """--cost_only: step_cost's fields added to the records of an earlier run's --json (same
+  config, overrides and target), without compiling for memory again."""
+  from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
+  with open(args.json) as f:
+    saved = json.load(f)
+  if (saved.get("config"), saved.get("target"), saved.get("overrides")) != (
+      args.config, args.target, args.set):
+    raise ValueError(f"--cost_only: {args.json} was written for another --config, --target or "
+                     "--set")
+  for r in saved["records"]:
+    c = _variant(config, r["n_future"])
+    mesh = shard_lib.make_mesh(c, devices)
+    r.update(step_cost(c, build_model(c).args.n_trunk, mesh, r["model_flops_per_device"], how))
+    print(f"n_future={r['n_future']}: {r['compiler']} estimates {r['optimal_seconds']:.4g} s per "
+          f"step (not measured), MFU {100 * r['mfu_at_optimal_seconds']:.0f}% at that time",
+          flush=True)
+  with open(args.json, "w") as f:
+    json.dump(saved, f, indent=2)
+
+
+def plan(config, n_future: int, devices=None, cost: str = "depth") -> dict:
+  """Compiles the train step for `config` with `n_future` heads, for `devices` (default
+  jax.devices(); a TPU topology's abstract devices compile with XLA:TPU); memory per device and
+  the compiler's cost. Where the compiler gives a time (XLA:TPU), `cost` ("depth", "full"; ""
+  skips it) compiles the step again for its cost: `step_cost`."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from mtp_jax import flops as flops_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import optimizer as optim_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
+
+  c = _variant(config, n_future)
   model = build_model(c)  # validates
   tx = optim_lib.make_optimizer(c)
-  mesh = shard_lib.make_mesh(c)
+  mesh = shard_lib.make_mesh(c, devices)
   shard_lib.check_batch(c, mesh)
   state = steps_lib.abstract_state(model, tx, c, mesh)
-  state_sh = jax.tree.map(lambda s: s.sharding, state)
-  batch_sh = shard_lib.batch_sharding(mesh)
   B, S = c.train.batch_size, c.data.seq_len
-  batch = {k: jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=batch_sh)
-           for k in ("tokens", "segment_ids")}
   t0 = time.perf_counter()
-  with shard_lib.activation_rules(mesh, c):
-    step = jax.jit(steps_lib.make_train_step(model, tx, c), in_shardings=(state_sh, batch_sh),
-                   out_shardings=(state_sh, None), donate_argnums=0)
-    compiled = step.lower(state, batch).compile()
+  compiled = _compile_step(model, tx, c, mesh, state, B)
   compile_s = time.perf_counter() - t0
   m = compiled.memory_analysis()
   shard_bytes = lambda tree: sum(
       int(np.prod(s.sharding.shard_shape(s.shape))) * np.dtype(s.dtype).itemsize
       for s in jax.tree.leaves(tree))
+  device = mesh.devices.flat[0]
+  model_flops = flops_lib.flops_per_token(c)["total"] * B * S / mesh.devices.size
+  loops_once = aot.cost_record(compiled, device, c.model.dtype, model_flops)
   rec = {
+      **loops_once,
       "n_future": n_future,
       "head_kind": c.model.heads.kind,
       "n_params": int(sum(np.prod(s.shape) for s in jax.tree.leaves(state.params))),
@@ -151,6 +257,8 @@ def plan(config, n_future: int) -> dict:
       "devices": int(mesh.devices.size),
       "batch": B, "seq_len": S, "grad_accum": c.train.grad_accum,
       "dtype": c.model.dtype, "remat_policy": c.model.remat_policy,
+      "attention_impl": c.model.attention_impl,
+      "mosaic_kernel_calls": aot.mosaic_calls(compiled),  # splash attention on a TPU target
       "token_chunks": c.loss.token_chunks,
       "state_bytes_per_device": shard_bytes(state),
       "argument_bytes": int(m.argument_size_in_bytes),
@@ -161,6 +269,10 @@ def plan(config, n_future: int) -> dict:
   }
   rec["peak_bytes"] = (rec["argument_bytes"] + rec["temp_bytes"]
                        + max(rec["output_bytes"] - rec["alias_bytes"], 0))
+  rec["optimal_seconds_loops_once"] = rec["optimal_seconds"]  # the memory compile's: too low
+  rec["optimal_seconds"] = rec["mfu_at_optimal_seconds"] = None
+  if cost and loops_once["optimal_seconds"] is not None:
+    rec.update(step_cost(c, model.args.n_trunk, mesh, model_flops, cost))
   return rec
 
 
@@ -173,9 +285,10 @@ def report(records: list[dict], hbm_gib: float, config_path: str) -> str:
   count = lambda n: f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
   lines = [
       f"{config_path}: {first['head_kind']} heads, {count(first['n_params'])} params, "
-      f"mesh {mesh} ({first['devices']} simulated devices), batch {first['batch']} x "
-      f"{first['seq_len']} (grad_accum {first['grad_accum']}), {first['dtype']}, remat "
-      f"{first['remat_policy']}",
+      f"mesh {mesh} ({first['devices']} {first['device_kind']} devices"
+      f"{', simulated' if first['compiler'] == 'XLA:CPU' else ', abstract'}), compiled by "
+      f"{first['compiler']}, batch {first['batch']} x {first['seq_len']} (grad_accum "
+      f"{first['grad_accum']}), {first['dtype']}, remat {first['remat_policy']}",
       "",
       f"| {unit} per device | " + " | ".join(f"n_future={r['n_future']}" for r in records)
       + (" | MTP extra |" if len(records) == 2 else " |"),
@@ -198,32 +311,59 @@ def report(records: list[dict], hbm_gib: float, config_path: str) -> str:
     lines.append(f"n_future={r['n_future']}: peak {r['peak_bytes'] / scale:.2f} {unit} per device "
                  f"{verdict} {hbm_gib:g} GiB per chip ({100 * peak / hbm_gib:.0f}%; compiled in "
                  f"{r['compile_seconds']:.0f}s)")
+  for r in records:
+    if r["optimal_seconds"]:
+      mfu = r["mfu_at_optimal_seconds"]
+      lines.append(f"n_future={r['n_future']}: {r['compiler']} estimates "
+                   f"{r['optimal_seconds']:.4g} s per step (cost_analysis optimal_seconds; not "
+                   "measured)" + (f", MFU {100 * mfu:.0f}% at that time" if mfu else ""))
   return "\n".join(lines)
 
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  if args.devices < 1:
-    print("error: --devices: must be >= 1", file=sys.stderr)
-    return 2
-  ensure_devices(args.devices)
   try:
+    target = aot.parse_target(args.target)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if target[0] == "cpu":
+    if args.devices < 1:
+      print("error: --devices: must be >= 1 (the simulated CPU devices of --target cpu)",
+            file=sys.stderr)
+      return 2
+    ensure_devices(args.devices)
+  else:
+    aot.prepare_env(target)
+  try:
+    devices = aot.target_devices(target) if target[0] != "cpu" else None
+    if devices is not None and args.devices not in (0, len(devices)):
+      raise ValueError(f"--devices: {args.target} has {len(devices)} devices, got "
+                       f"{args.devices} (leave it out)")
+    hbm = args.hbm_gib or (devices and aot.hbm_gib(devices[0])) or 16.0
     config = load_config(args.config, args.set, args.mesh, args.batch)
-    records = [plan(config, config.model.n_future)]
+    cost = "" if args.cost == "none" else args.cost
+    if args.cost_only:
+      if not (cost and args.json and target[0] == "tpu"):
+        raise ValueError("--cost_only: needs --json of an earlier run, a TPU --target and --cost")
+      add_cost(args, config, devices, cost)
+      return 0
+    records = [plan(config, config.model.n_future, devices, cost)]
     if not args.no_baseline and config.model.n_future > 1:
-      records.append(plan(config, 1))
+      records.append(plan(config, 1, devices, cost))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   for r in records:
-    r["hbm_gib"] = args.hbm_gib
-    r["fits"] = r["peak_bytes"] <= args.hbm_gib * 2**30
-  print(report(records, args.hbm_gib, args.config), flush=True)
+    r["target"] = args.target
+    r["hbm_gib"] = hbm
+    r["fits"] = r["peak_bytes"] <= hbm * 2**30
+  print(report(records, hbm, args.config), flush=True)
   if args.json:
     with open(args.json, "w") as f:
       from mtp_jax import runtime  # pylint: disable=import-outside-toplevel
-      json.dump(runtime.stamp({"config": args.config, "overrides": args.set,
-                               "records": records}), f, indent=2)
+      json.dump(runtime.stamp({"config": args.config, "target": args.target,
+                               "overrides": args.set, "records": records}), f, indent=2)
   return 0
 
 

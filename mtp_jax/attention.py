@@ -8,6 +8,11 @@
     splash  the Pallas splash-attention kernel (TPU; causal and segment ids as block masks)
     auto    cudnn on GPU, splash on TPU, cpu elsewhere
 
+The platform is the one the code is compiled for: the device platform of the mesh in context
+(`jax.set_mesh`, as training and plan_memory enter it), else jax's default backend. So an
+ahead-of-time compile for a TPU topology on a CPU host (plan_memory.py --target tpu:...) picks
+splash, and one for a GPU mesh cudnn.
+
 Every kernel computes the same function. Without a cache, query s sees key t <= s of its own
 segment (positions increase along the sequence, so this is the reference's positions test);
 with a cache, query s sees cache slot t <= positions[b, s]. With `window` W > 0 (Mistral's
@@ -27,6 +32,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from mtp_jax import sharding
 
 IMPLS = ("auto", "einsum", "cpu", "xla", "cudnn", "splash")
 NEG = -1e30  # finite: a fully masked row (a padding query) stays a uniform softmax, never NaN
@@ -42,9 +50,17 @@ def _note_fallback(asked: str, used: str, why: str):
     log.warning(msg)
 
 
+def target_platform() -> str:
+  """'cpu', 'gpu', 'tpu': the platform of the mesh in context (its devices may be a topology's
+  abstract ones, compiled for ahead of time), else the default backend's."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return device.platform if device is not None else jax.default_backend()
+
+
 def resolve(impl: str, *, cached: bool, segments: bool, dtype, backend: str | None = None) -> str:
-  """The kernel that runs for this case (static: called while tracing)."""
-  backend = backend or jax.default_backend()
+  """The kernel that runs for this case (static: called while tracing) on `backend` (default:
+  `target_platform()`)."""
+  backend = backend or target_platform()
   generic = "cpu" if backend == "cpu" else "xla"
   if impl == "auto":
     impl = {"gpu": "cudnn", "cuda": "cudnn", "tpu": "splash"}.get(backend, "cpu")
@@ -88,7 +104,7 @@ def attend(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS=None,
   try:  # the fused kernels check shapes and dtypes while tracing
     if used == "cudnn":
       return xla_attention(*args, cached=cached, implementation="cudnn", window=window)
-    return splash_attention(*args, window=window)
+    return _splash_on_mesh(*args, window=window)
   except (ValueError, NotImplementedError, RuntimeError) as e:
     _note_fallback(impl, "xla", f"{used} refused this case ({str(e).splitlines()[0]})")
     return xla_attention(*args, cached=cached, implementation="xla", window=window)
@@ -194,6 +210,28 @@ def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   return jax.nn.dot_product_attention(
       q_BxSxHxE.astype(k_BxTxKxE.dtype), k_BxTxKxE, v_BxTxKxE, mask=mask,
       is_causal=not cached, local_window_size=local, implementation=implementation)
+
+
+def _splash_on_mesh(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
+                    window: int = 0):
+  """splash_attention, shard_mapped over the batch and head axes of the enclosing
+  sharding.activation_rules (GSPMD cannot partition a Mosaic kernel: "Mosaic kernels cannot be
+  automatically partitioned"): each device runs the kernel on its own rows and heads (a kv head's
+  query heads stay on its device). Outside activation_rules, the plain call."""
+  active = sharding.active_spec(("batch", "seq", "heads", "head_dim"))
+  if active is None:
+    return splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS,
+                            window=window)
+  mesh, q_spec = active
+  kv_spec = sharding.active_spec(("batch", "seq", "kv_heads", "head_dim"))[1]
+  rows_spec = P(*q_spec[:2])
+  segments = segment_ids_BxS is not None
+  kernel = lambda q, k, v, *seg: splash_attention(q, k, v, None, seg[0] if seg else None,
+                                                  window=window)
+  return jax.shard_map(
+      kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + ((rows_spec,) if segments else ()),
+      out_specs=q_spec, check_vma=False)(
+          q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, *((segment_ids_BxS,) if segments else ()))
 
 
 def splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,

@@ -156,6 +156,17 @@ def constrain(x, logical_axes: tuple):
   return nn.with_logical_constraint(x, logical_axes, rules=logical_rules, mesh=mesh)
 
 
+def active_spec(logical_axes: tuple):
+  """(mesh, PartitionSpec) of `logical_axes` by the rules of the enclosing `activation_rules`;
+  None outside it. For code that must shard_map itself (a Pallas kernel, which GSPMD cannot
+  partition)."""
+  active = _ACTIVE.get()
+  if active is None:
+    return None
+  mesh, logical_rules = active
+  return mesh, nn.logical_to_mesh_axes(logical_axes, logical_rules)
+
+
 def _on_cloud_tpu() -> bool:
   """TPU chips on this VM's PCI bus (what JAX itself looks at), without starting a backend:
   jax.distributed must come first."""

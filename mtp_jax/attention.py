@@ -10,7 +10,9 @@
 
 Every kernel computes the same function. Without a cache, query s sees key t <= s of its own
 segment (positions increase along the sequence, so this is the reference's positions test);
-with a cache, query s sees cache slot t <= positions[b, s]. A kernel that cannot take a case
+with a cache, query s sees cache slot t <= positions[b, s], or, given segment ids with a cache
+(a tree of drafts, `mtp_jax.tree`), the slots before the window and window slot
+positions[b, 0] + j where bit j of segment_ids[b, s] is set. A kernel that cannot take a case
 (cudnn: packed segments, the cache, f32; splash: the cache, not on a TPU) hands it to `xla`
 (`cpu` on a CPU backend), and says why once in the log. The fused kernels take causality as a
 flag, never as an [S, T] mask in memory.
@@ -92,8 +94,12 @@ def attend(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS=None,
 
 def _visible_BxSxT(positions_BxS, segment_ids_BxS, T: int, cached: bool):
   """Boolean [B, S, T] mask of the keys each query sees (the reference's definition)."""
-  if cached:
+  if cached and segment_ids_BxS is None:
     return jnp.arange(T)[None, None, :] <= positions_BxS[:, :, None]
+  if cached:  # a tree window at slots positions[:, 0] + j; bit j of a query's id: it sees j
+    j_Bx1xT = jnp.arange(T)[None, None, :] - positions_BxS[:, :1, None]
+    bit_BxSxT = (segment_ids_BxS[:, :, None] >> jnp.clip(j_Bx1xT, 0, 31)) & 1
+    return (j_Bx1xT < 0) | ((j_Bx1xT < positions_BxS.shape[1]) & (bit_BxSxT == 1))
   mask_BxSxT = positions_BxS[:, :, None] >= positions_BxS[:, None, :]
   if segment_ids_BxS is not None:
     mask_BxSxT &= segment_ids_BxS[:, :, None] == segment_ids_BxS[:, None, :]
@@ -141,7 +147,8 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   k_BxKxTxE = k_BxTxKxE.transpose(0, 2, 1, 3)
   v_BxKxTxE = v_BxTxKxE.transpose(0, 2, 1, 3)
   if cached:  # decode: few queries against the whole cache, one block
-    bias_Bx1x1xSxT = _bias(_visible_BxSxT(positions_BxS, None, T, True))[:, None, None]
+    visible_BxSxT = _visible_BxSxT(positions_BxS, segment_ids_BxS, T, True)
+    bias_Bx1x1xSxT = _bias(visible_BxSxT)[:, None, None]
   Sb = S // n_blocks
   outs = []
   for i in range(n_blocks):
@@ -173,7 +180,7 @@ def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   [B, 1, S, T] mask (xla materialises its logits anyway)."""
   mask = None
   if cached:
-    mask = _visible_BxSxT(positions_BxS, None, k_BxTxKxE.shape[1], True)[:, None]
+    mask = _visible_BxSxT(positions_BxS, segment_ids_BxS, k_BxTxKxE.shape[1], True)[:, None]
   elif segment_ids_BxS is not None:
     mask = (segment_ids_BxS[:, :, None] == segment_ids_BxS[:, None, :])[:, None]
   return jax.nn.dot_product_attention(

@@ -214,7 +214,8 @@ def main():
   print(f"step {loaded.step}, {loaded.model.args.head_kind} heads, "
         f"{args.max_new_tokens} new tokens per row, {args.reps} timed calls per variant after a "
         f"warm-up, {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}); "
-        f"teacher-forced agreement with head 1 by head: {np.round(agree, 3).tolist()}")
+        f"teacher-forced agreement with head 1 by head: {np.round(agree, 3).tolist()}",
+        flush=True)
   print("| mode | batch | prompt | variant | heads | tree | a | a (batch) | T1 ms | Tc ms | "
         "T1 fwd ms | Tk fwd ms | overhead ms | S measured (band) | S predicted | identical |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -242,10 +243,10 @@ def main():
                 f"{1e3 * cost['forward_k']:.1f} | {1e3 * r['cycle_overhead_seconds']:.1f} | "
                 f"{r['S_measured']:.2f} ({lo:.2f}-{hi:.2f}) | {r['S_predicted']:.2f} | "
                 f"{r['identical']} |", flush=True)
-  if args.json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-      json.dump(records, f, indent=2)
+        if args.json:  # after every cell: a long grid cut short keeps what it measured
+          os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+          with open(args.json, "w") as f:
+            json.dump(records, f, indent=2)
   png_dir = args.png_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)
   if png_dir:
     plots(records, png_dir)

@@ -140,3 +140,19 @@ def test_tree_on_sequential_heads_is_a_chain(caplog):
     r = decode_lib.decode(params, m.args, [[1, 2]], tree="2,1", **kw)
   assert r.tree is None and "draft a chain" in caplog.text
   np.testing.assert_array_equal(r.tokens, decode_lib.greedy(params, m.args, [[1, 2]], **kw).tokens)
+
+
+def test_tree_auto_follows_the_cost_model(model, monkeypatch):
+  """Every forward as cheap as one token: the largest predicted a wins, a tree (the random
+  model's drafts pass at ranks > 0); the output is still greedy's."""
+  args, params = model
+  monkeypatch.setattr(decode_lib.costmodel, "forward_seconds",
+                      lambda *a, **k: {"forward_1": 1.0, "forward_k": 1.0})
+  monkeypatch.setattr(decode_lib, "_CHOICES", {})
+  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
+  r = decode_lib.decode(params, args, RAGGED, k="auto", tree="auto", **kw)
+  g = decode_lib.greedy(params, args, RAGGED, **kw)
+  np.testing.assert_array_equal(g.tokens, r.tokens)
+  assert r.auto["probe"]["tree"] == "4,2,2" and r.tree is not None and r.tree == r.auto["tree"]
+  best = max(r.auto["table"], key=lambda row: row["S_predicted"])
+  assert r.tree == best["tree"] and best["nodes"] > best["heads"]

@@ -149,7 +149,7 @@ def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None):
   return records
 
 
-def plots(records, png_dir):
+def plots(records, png_dir, prefix="decode_"):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -166,7 +166,7 @@ def plots(records, png_dir):
          title="Acceptance by head, batch 1 (greedy)")
   ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(os.path.join(png_dir, "decode_acceptance.png"), dpi=120)
+  fig.savefig(os.path.join(png_dir, f"{prefix}acceptance.png"), dpi=120)
   plens = sorted({r["prompt_len"] for r in greedy})
   fig, axes = plt.subplots(1, len(plens), figsize=(5 * len(plens), 3.5), squeeze=False)
   for ax, plen in zip(axes[0], plens):
@@ -184,14 +184,16 @@ def plots(records, png_dir):
            title=f"Greedy, prompt {plen} (band: noise of the timed calls)")
     ax.legend(fontsize=6)
   fig.tight_layout()
-  fig.savefig(os.path.join(png_dir, "decode_speedup.png"), dpi=120)
+  fig.savefig(os.path.join(png_dir, f"{prefix}speedup.png"), dpi=120)
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--workdir", required=True)
+  ap.add_argument("--workdir", default=None)
   ap.add_argument("--json", default=None)
   ap.add_argument("--png_dir", default=None, help="default: the folder of --json")
+  ap.add_argument("--png_prefix", default="decode_", help="PNG names: PREFIXspeedup.png, ...")
+  ap.add_argument("--replot", default=None, help="a JSON this script wrote: only plot it")
   ap.add_argument("--batches", default="1,8,32")
   ap.add_argument("--prompt_lens", default="64,256")
   ap.add_argument("--max_new_tokens", type=int, default=128)
@@ -202,6 +204,13 @@ def main():
   ap.add_argument("--top_p", type=float, default=0.95)
   ap.add_argument("--top_k", type=int, default=0)
   args = ap.parse_args()
+  if args.replot:
+    with open(args.replot) as f:
+      plots(json.load(f), args.png_dir or os.path.dirname(os.path.abspath(args.replot)),
+            args.png_prefix)
+    return
+  if not args.workdir:
+    raise SystemExit("error: --workdir: required (a training workdir)")
   if args.reps < speed.REPS:
     raise SystemExit(f"error: --reps: at least {speed.REPS}, got {args.reps}")
   modes = [None]
@@ -249,7 +258,7 @@ def main():
             json.dump(records, f, indent=2)
   png_dir = args.png_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)
   if png_dir:
-    plots(records, png_dir)
+    plots(records, png_dir, args.png_prefix)
 
 
 if __name__ == "__main__":

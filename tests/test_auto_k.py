@@ -51,18 +51,3 @@ def test_candidates_and_union():
   assert costmodel.union(cands) == Tree((4, 2, 2))
   assert all(len(c.spec) < 2 for c in costmodel.candidates(2, trees=True))
 
-
-def test_speed_compare_reports_a_band_and_about_the_same():
-  from mtp_jax import speed  # noqa: PLC0415
-  same = speed.compare([1.0, 1.3, 1.1], [1.05, 0.95, 1.2])  # identical work, noisy machine
-  assert same["verdict"] == "about the same" and same["band"][0] < 1 < same["band"][1]
-  assert "about the same as plain decoding" in speed.line(same)
-  fast = speed.compare([2.0, 2.2, 2.1], [1.0, 1.1, 1.05])
-  assert fast["verdict"] == "faster" and fast["speedup"] == pytest.approx(2.1 / 1.05)
-  assert speed.compare([1.0, 1.1, 1.0], [2.0, 2.1, 2.2])["verdict"] == "slower"
-  calls = []
-  timed = speed.time_modes({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")})
-  assert calls == ["a", "b"] * 4  # a warm-up each, then 3 timed calls each, interleaved
-  assert [len(t["seconds"]) for t in timed.values()] == [3, 3]
-  with pytest.raises(ValueError, match="--reps"):
-    speed.time_modes({"a": lambda: None}, reps=2)

@@ -41,36 +41,50 @@ PRIOR = 4.0  # pseudo-cycles of the pooled histogram added to each row's
 MIN_GAIN = 1.05  # a candidate must beat plain decoding by this much predicted S
 TREE_CANDIDATES = ("2", "3", "4", "2,1", "3,1", "4,1", "2,2", "2,1,1", "3,1,1", "4,1,1",
                    "2,2,1", "3,2,1", "4,2,1", "4,2,2")
-_FORWARD: dict = {}  # (args, batch, context, heads, width, id of params) -> seconds
+_FORWARD: dict = {}  # (args, batch, context, tuple of trees, id of params, reps) -> seconds
+
+
+def forward_times(params, args: ModelArgs, trees: list[Tree], *, batch: int, context: int,
+                  reps: int = 11) -> dict[Tree, float]:
+  """Seconds of one cached forward of each window (a chain of k heads: k tokens, heads 1..k;
+  a tree: its nodes with its mask, heads 1..tree.k) at `context` tokens of cache, timed on
+  their own outside any decoding loop (the in-loop seconds per forward would make a x T1 / Tc
+  equal the measured speed-up by construction). Each compiled and warmed up, then `reps` rounds
+  calling every window once, and the minimum per window: on a shared machine other work only
+  ever adds time, and interleaving lets every window see the same load. Cached per shape."""
+  trees = list(dict.fromkeys(trees))
+  key = (args, batch, context, tuple(trees), id(params), reps)
+  if key not in _FORWARD:
+    fns = [_forward_fn(params, args, t, batch, context) for t in trees]
+    times = [[] for _ in trees]
+    for _ in range(reps):
+      for f, ts in zip(fns, times):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    _FORWARD[key] = {t: float(min(ts)) for t, ts in zip(trees, times)}
+  return _FORWARD[key]
 
 
 def forward_seconds(params, args: ModelArgs, k: int, *, batch: int, context: int,
                     reps: int = 21, tree: Tree | None = None) -> dict[str, float]:
-  """The cost model's inputs: median seconds of one cached forward over a 1-token window with
-  head 1 alone (T1, "forward_1") and over a k-token window with heads 1..k (Tk,
-  "forward_k"), or over a tree's nodes with its mask (heads 1..tree.k), at `context` tokens of
-  cache, timed on their own outside any decoding loop (the in-loop seconds per forward would
-  make a x T1 / Tc equal the measured speed-up by construction). Cached per shape."""
-  out = {}
-  if tree is not None and max(tree.spec, default=1) == 1:
-    tree = None  # a chain
-  for name, heads_, t in (("forward_1", 1, None), ("forward_k", k, tree)):
-    key = (args, batch, context, heads_, t, id(params), reps)
-    if key not in _FORWARD:
-      _FORWARD[key] = _time_forward(params, args, heads_, t, batch, context, reps)
-    out[name] = _FORWARD[key]
-  return out
+  """The cost model's inputs (`forward_times`, interleaved): a 1-token window with head 1 alone
+  (T1, "forward_1") and a k-token window with heads 1..k (Tk, "forward_k"), or `tree`'s."""
+  window = chain(k) if tree is None else tree
+  t = forward_times(params, args, [chain(1), window], batch=batch, context=context, reps=reps)
+  return {"forward_1": t[chain(1)], "forward_k": t[window]}
 
 
-def _time_forward(params, args, k, tree, batch, context, reps):
+def _forward_fn(params, args, tree: Tree, batch, context):
+  k = tree.k
   p = heads.slice_params(params, heads.KINDS[args.head_kind], k)
   a = dataclasses.replace(args, n_future=k)
   model = MTPModel(a)
-  width = k if tree is None else tree.n_nodes
+  width = tree.n_nodes
   cache = init_decode_cache(a, batch, context + width + 1, dtype=a.dtype)
   toks = jnp.zeros((batch, width), jnp.int32)
   seg = None
-  if tree is not None:  # a tree window: positions by depth, the tree mask as bits
+  if max(tree.spec, default=1) > 1:  # a tree window: positions by depth, the mask as bits
     pos = context + jnp.broadcast_to(jnp.asarray(tree.tables[1]), (batch, width))
     seg = jnp.broadcast_to(jnp.asarray(tree.bits()), (batch, width))
   else:
@@ -78,12 +92,7 @@ def _time_forward(params, args, k, tree, batch, context, reps):
   f = jax.jit(lambda p, c: model.apply({"params": p}, toks, seg, positions_BxS=pos, cache=c,
                                        decoding=True))
   jax.block_until_ready(f(p, cache))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(f(p, cache))
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))  # the median: robust to a busy machine
+  return lambda: jax.block_until_ready(f(p, cache))
 
 
 def chain(k: int) -> Tree:
@@ -132,7 +141,8 @@ def predict_a(hist_BxN: np.ndarray, probe: Tree, cand: Tree) -> float:
 
 
 def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds) -> dict:
-  """The candidate of highest predicted S = a x T1 / T(candidate); seconds(tree) -> (T1, T).
+  """The candidate of highest predicted S = a x T1 / T(candidate); seconds(tree) -> (T1, T)
+  (`forward_times`).
   Returns {"tree": Tree, "S_predicted", "a_predicted", "table": [...]} (plain decoding, the
   chain of 1, unless a candidate's S is at least MIN_GAIN)."""
   table = []

@@ -194,10 +194,9 @@ def choose(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k, tr
   r = dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=PROBE_CYCLES, **sample_kw)
   context = width + max_new_tokens // 2
 
-  def seconds(c):
-    t = costmodel.forward_seconds(params, args, c.k, batch=batch, context=context, reps=11,
-                                  tree=c)
-    return t["forward_1"], t["forward_k"]
+  times = costmodel.forward_times(params, args, [costmodel.chain(1)] + cands, batch=batch,
+                                  context=context)
+  seconds = lambda c: (times[costmodel.chain(1)], times[c])
 
   picked = costmodel.choose(r.rows_hist, probe, cands, seconds)
   best = picked.pop("tree")

@@ -204,10 +204,10 @@ def test_decoder_compiles_once_and_runs_any_prompts_of_its_shape(random_model):
 
 # heads="auto" (mtp_jax.costmodel): a forced cost model decides; the probe's acceptance is real.
 def forced_costs(monkeypatch, tk_over_t1):
-  def fake(params, args, k, *, batch, context, reps=21, tree=None):
-    del params, args, batch, context, reps, tree
-    return {"forward_1": 1.0, "forward_k": 1.0 if k == 1 else tk_over_t1 * (1 + 0.01 * k)}
-  monkeypatch.setattr(decode_lib.costmodel, "forward_seconds", fake)
+  def fake(params, args, trees, *, batch, context, reps=11):
+    del params, args, batch, context, reps
+    return {t: 1.0 if t.k == 1 else tk_over_t1 * (1 + 0.01 * t.k) for t in trees}
+  monkeypatch.setattr(decode_lib.costmodel, "forward_times", fake)
   monkeypatch.setattr(decode_lib, "_CHOICES", {})
 
 

@@ -146,8 +146,8 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   """Every forward as cheap as one token: the largest predicted a wins, a tree (the random
   model's drafts pass at ranks > 0); the output is still greedy's."""
   args, params = model
-  monkeypatch.setattr(decode_lib.costmodel, "forward_seconds",
-                      lambda *a, **k: {"forward_1": 1.0, "forward_k": 1.0})
+  monkeypatch.setattr(decode_lib.costmodel, "forward_times",
+                      lambda params, args, trees, **kw: {t: 1.0 for t in trees})
   monkeypatch.setattr(decode_lib, "_CHOICES", {})
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   r = decode_lib.decode(params, args, RAGGED, k="auto", tree="auto", **kw)

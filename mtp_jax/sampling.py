@@ -45,27 +45,54 @@ def head_logits(h_BxSxD, unembed_DxV) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
+PREFILTER = 64  # truncation looks at the most likely tokens first (see `probs`)
+
+
 def probs(logits_xV, sp: Params) -> jax.Array:
   """The distribution sampled from: softmax(logits / temperature), then top-k, then top-p
   (nucleus: the most likely tokens whose mass before them is < top_p), renormalised; as HF
   `generate` and vLLM order them (ties with the last kept token are kept). Temperature 0:
-  one-hot on the argmax (greedy). One sort, and none when neither truncation is on."""
+  one-hot on the argmax (greedy). No sort when neither truncation is on; otherwise the
+  PREFILTER most likely tokens (lax.top_k) decide wherever the kept set lies among them (top-k
+  <= PREFILTER, or a nucleus narrower than PREFILTER tokens, the usual case), and a full sort
+  of the vocabulary only when some row's does not: the same kept set either way."""
   V = logits_xV.shape[-1]
   greedy_xV = jax.nn.one_hot(jnp.argmax(logits_xV, axis=-1), V, dtype=jnp.float32)
   z_xV = logits_xV.astype(jnp.float32) / jnp.maximum(sp.temperature, 1e-30)
+  C = min(PREFILTER, V)
+
+  def threshold(desc_xW, log_norm_x):
+    """The smallest kept value, from the W largest values (descending), and whether the
+    nucleus may go on past them; log_norm: log of the top-k set's softmax normaliser, or None
+    (the W values are the whole top-k set: a softmax over them)."""
+    W = desc_xW.shape[-1]
+    n_x = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)  # top-k: the first n sorted,
+    kth_x1 = jnp.take_along_axis(  # and ties with the n-th, whose mass counts in the nucleus
+        desc_xW, jnp.broadcast_to(jnp.minimum(n_x, W) - 1, desc_xW.shape[:-1])[..., None],
+        axis=-1)
+    in_k_xW = (jnp.arange(W) < n_x[..., None]) | (desc_xW >= kth_x1)
+    if log_norm_x is None:
+      sorted_p_xW = jax.nn.softmax(jnp.where(in_k_xW, desc_xW, -jnp.inf), axis=-1)
+    else:
+      sorted_p_xW = jnp.where(in_k_xW, jnp.exp(desc_xW - log_norm_x[..., None]), 0.0)
+    # Nucleus on the renormalised top-k: keep while the mass before a token is < top_p.
+    keep_xW = in_k_xW & ((jnp.cumsum(sorted_p_xW, axis=-1) - sorted_p_xW < sp.top_p)
+                         | (sp.top_p >= 1))
+    n_x = jnp.maximum(jnp.sum(keep_xW, axis=-1), 1)
+    # Whether the kept set may go on past the W values: the nucleus reaches the last, or (for
+    # the top-k set itself) the last is in it (ties with the k-th may lie beyond).
+    more_x = keep_xW[..., -1] | (in_k_xW[..., -1] & (log_norm_x is None))
+    return jnp.take_along_axis(desc_xW, (n_x - 1)[..., None], axis=-1), more_x
 
   def truncate(z_xV):
-    desc_xV = -jnp.sort(-z_xV, axis=-1)
-    n_x = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)  # top-k: the first n sorted,
-    kth_x1 = jnp.take_along_axis(  # and ties with the
-        desc_xV, jnp.broadcast_to(n_x - 1, desc_xV.shape[:-1])[..., None], axis=-1)
-    in_k_xV = desc_xV >= kth_x1  # n-th, whose mass counts in the nucleus below
-    sorted_p_xV = jax.nn.softmax(jnp.where(in_k_xV, desc_xV, -jnp.inf), axis=-1)
-    # Nucleus on the renormalised top-k: keep while the mass before a token is < top_p.
-    keep_xV = in_k_xV & ((jnp.cumsum(sorted_p_xV, axis=-1) - sorted_p_xV < sp.top_p)
-                         | (sp.top_p >= 1))
-    n_x = jnp.maximum(jnp.sum(keep_xV, axis=-1), 1)
-    thr_x1 = jnp.take_along_axis(desc_xV, (n_x - 1)[..., None], axis=-1)
+    top_xC = jax.lax.top_k(z_xV, C)[0]
+    small_k = (sp.top_k > 0) & (sp.top_k <= C)  # the top-k set lies within the prefilter
+    log_norm_x = jax.nn.logsumexp(z_xV, axis=-1)  # top_k = 0: the whole vocabulary
+    thr_x1, more_x = jax.lax.cond(small_k, lambda: threshold(top_xC, None),
+                                  lambda: threshold(top_xC, log_norm_x))
+    fits = ((small_k | (sp.top_k == 0)) & ~jnp.any(more_x)) | (C == V)
+    thr_x1 = jax.lax.cond(fits, lambda: thr_x1,
+                          lambda: threshold(-jnp.sort(-z_xV, axis=-1), None)[0])
     return jnp.where(z_xV >= thr_x1, z_xV, -jnp.inf)
 
   z_xV = jax.lax.cond((sp.top_k > 0) | (sp.top_p < 1), truncate, lambda z: z, z_xV)

@@ -200,3 +200,28 @@ def test_decoder_compiles_once_and_runs_any_prompts_of_its_shape(random_model):
     decoder(RAGGED[:2], **ids)
   with pytest.raises(ValueError, match="^prompt: this Decoder takes 3 prompts"):
     decoder([[1] * 12, [1], [1]], **ids)
+
+
+# heads="auto" (mtp_jax.costmodel): a forced cost model decides; the probe's acceptance is real.
+def forced_costs(monkeypatch, tk_over_t1):
+  def fake(params, args, trees, *, batch, context, reps=11):
+    del params, args, batch, context, reps
+    return {t: 1.0 if t.k == 1 else tk_over_t1 * (1 + 0.01 * t.k) for t in trees}
+  monkeypatch.setattr(decode_lib.costmodel, "forward_times", fake)
+  monkeypatch.setattr(decode_lib, "_CHOICES", {})
+
+
+@pytest.mark.parametrize("tk_over_t1, want", [(10.0, 1), (1.0, 4)])
+def test_auto_heads_follow_the_cost_model(trained, monkeypatch, tk_over_t1, want):
+  """A k-token forward 10x a one-token one: speculation loses, auto runs plain decoding; as
+  cheap as one token: the most heads win (the trained model accepts every draft)."""
+  args, params = trained
+  forced_costs(monkeypatch, tk_over_t1)
+  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
+  g = decode_lib.greedy(params, args, RAGGED, **kw)
+  r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)
+  assert_same(g, r)
+  assert r.heads == want and r.auto["heads"] == want, r.auto
+  table = {row["heads"]: row for row in r.auto["table"]}
+  assert table[4]["a_predicted"] > 2.5  # the probe saw drafts accepted (row 2 is off the cycle)
+  assert r.auto["S_predicted"] == (1.0 if want == 1 else table[4]["S_predicted"])

@@ -44,7 +44,8 @@ def test_cli_writes_well_formed_results(workdir, tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   p = subprocess.run([sys.executable, "-m", "mtp_jax.evaluate", "--workdir", workdir,
                       "--limit", "3", "--num_samples", "2", "--temperature", "0", "--k", "1,2",
-                      "--max_new_tokens", "16", "--out", str(out)], env=env, cwd=ROOT,
+                      "--max_new_tokens", "16", "--heads", "2", "--out", str(out)], env=env,
+                     cwd=ROOT,
                      capture_output=True, text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
   assert "3/3 problems" in p.stderr and "pass@1" in p.stdout
@@ -66,6 +67,8 @@ def test_cli_writes_well_formed_results(workdir, tmp_path):
   assert d["mode"] == "speculative" and d["tokens"] > 0 and d["tokens_per_s"] > 0
   assert 1.0 <= d["tokens_per_forward"] <= 2.0  # n_future 2: at most 2 tokens per forward
   assert d["vs_greedy"]["identical"] is True and d["vs_greedy"]["speedup"] > 0
+  assert d["vs_greedy"]["verdict"] in ("faster", "slower", "about the same")
+  assert len(d["vs_greedy"]["speculative_seconds"]) == 3  # timed 3 times after a warm-up
 
 
 def test_greedy_is_deterministic(workdir, tmp_path, capsys):
@@ -106,6 +109,8 @@ def test_mbpp_from_jsonl(workdir, tmp_path, capsys):
     (["--temperature", "-0.5"], "--temperature"),
     (["--top_p", "0"], "--top_p"),
     (["--mode", "both"], "--mode"),
+    (["--heads", "two"], "--heads"),
+    (["--tree", "4,0"], "--tree"),
     (["--num_samples", "0"], "--num_samples"),
     (["--out", "/nonexistent/dir/r.json"], "--out"),
 ])

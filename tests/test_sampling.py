@@ -367,10 +367,14 @@ def test_generate_cli_samples_in_both_modes(workdir):
                       "--seed", "1"], env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT,
                      capture_output=True, text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
-  assert p.stdout.count("--- prompt") == 6 and "--- prompt 2, sample 3\n" in p.stdout
+  # Both modes' samples, labelled: 2 prompts x 3 samples x 2 modes.
+  assert p.stdout.count("--- prompt") == 12, p.stdout
+  assert "--- prompt 2, sample 3 (plain sampling)\n" in p.stdout
+  assert "--- prompt 2, sample 3 (speculative sampling)\n" in p.stdout
   assert "speculative: tokens 48 forwards" in p.stdout and "plain: tokens 48" in p.stdout
   assert "sampled (temperature 0.8): tokens/forward speculative" in p.stdout
   assert "identical" not in p.stdout  # sampled modes are compared by speed, not tokens
+  assert "noise band" in p.stdout and "timed calls each, after a warm-up" in p.stdout
 
 
 @pytest.mark.parametrize("args, flag", [
@@ -389,3 +393,34 @@ def test_generate_bad_input_one_line_exit_2(workdir, capsys, args, flag):
   cap = capsys.readouterr()
   assert e.value.code == 2 and cap.out == ""
   assert len(cap.err.strip().splitlines()) == 1 and cap.err.startswith(f"error: {flag}: "), cap.err
+
+
+def full_sort_probs(logits_xV, sp: sampling.Params):
+  """The truncation by one full sort of the vocabulary (what `sampling.probs` computed before
+  its top-k prefilter): the reference the prefilter must agree with."""
+  V = logits_xV.shape[-1]
+  z = logits_xV.astype(jnp.float32) / sp.temperature
+  desc = -jnp.sort(-z, axis=-1)
+  n = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)
+  in_k = jnp.arange(V) < n
+  sp_ = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+  keep = in_k & ((jnp.cumsum(sp_, axis=-1) - sp_ < sp.top_p) | (sp.top_p >= 1))
+  thr = jnp.take_along_axis(desc, (jnp.maximum(keep.sum(-1), 1) - 1)[..., None], axis=-1)
+  return jax.nn.softmax(jnp.where(z >= thr, z, -jnp.inf), axis=-1)
+
+
+@pytest.mark.parametrize("scale, top_k, top_p", [
+    (4.0, 0, 0.9),  # peaked: the nucleus lies within the prefilter
+    (0.1, 0, 0.9),  # flat: the nucleus is wider than the prefilter, the full sort decides
+    (1.0, 10, 0.8), (1.0, 100, 0.95),  # top-k inside / beyond the prefilter
+    (1.0, 50, 1.0), (1.0, 0, 1.0)])
+def test_prefiltered_truncation_equals_the_full_sort(scale, top_k, top_p):
+  rng = np.random.default_rng(0)
+  logits_xV = jnp.asarray(scale * rng.standard_normal((2, 5, 300)), jnp.float32)
+  sp = sampling.Params(jnp.float32(0.9), jnp.int32(top_k), jnp.float32(top_p))
+  got = np.asarray(jax.jit(sampling.probs)(logits_xV, sp))
+  want = np.asarray(full_sort_probs(logits_xV, sp))
+  np.testing.assert_array_equal(got > 0, want > 0)  # the same kept set
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  if scale == 0.1:
+    assert ((want > 0).sum(-1) > sampling.PREFILTER).all()  # the fall-back was needed

@@ -1,0 +1,158 @@
+"""The cost model of self-speculative decoding, and the choice it makes (`heads="auto"`,
+`tree="auto"` in `mtp_jax.decode`).
+
+Speculation with k heads (or a tree of N nodes) pays when S = a x T1 / Tk > 1: a the tokens a
+row gains per verification forward, T1 a one-token forward with head 1 alone (plain decoding),
+Tk a k-token (N-token) forward with heads 1..k, both timed on their own with the call's batch
+and context (`forward_seconds`, cached per shape). A batch runs until its slowest row is done,
+so the a that counts is the slowest row's.
+
+Acceptance comes from a probe: a few cycles of the largest candidate (the chain of all heads,
+or the union of the candidate trees) on the call's own prompts, recording for every row which
+node was the deepest accepted one in each cycle (for a chain: how many drafts passed, the
+per-depth conditional acceptance P(d_j | d_{j-1}) in histogram form). Every candidate is a
+sub-tree of the probe (a chain of k' heads: the first k'-1 depths, one candidate each; a tree
+c'_1,..,c'_D with c'_d <= c_d), and in greedy decoding the accepted path is the greedy
+continuation, so on each probed cycle the depth a candidate would have reached follows from
+the probe's best node alone: the first depth whose token ranked beyond the candidate's width
+(`reached_depth`). Per row, that gives a(candidate) = 1 + E[depth reached], smoothed toward the
+batch's pooled histogram (PRIOR pseudo-cycles: a row probed for few cycles is not trusted
+alone); the batch's a is the minimum over rows. (Sampled chains: the histogram of accepted
+drafts, read the same way; exact for greedy, an estimate for sampling.) The choice is the
+candidate of highest predicted S, plain decoding (S = 1) unless a candidate beats it by
+MIN_GAIN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax import heads
+from mtp_jax.config import ModelArgs
+from mtp_jax.model import MTPModel, init_decode_cache
+from mtp_jax.tree import Tree, parse
+
+PRIOR = 4.0  # pseudo-cycles of the pooled histogram added to each row's
+MIN_GAIN = 1.05  # a candidate must beat plain decoding by this much predicted S
+TREE_CANDIDATES = ("2", "3", "4", "2,1", "3,1", "4,1", "2,2", "2,1,1", "3,1,1", "4,1,1",
+                   "2,2,1", "3,2,1", "4,2,1", "4,2,2")
+_FORWARD: dict = {}  # (args, batch, context, tuple of trees, id of params, reps) -> seconds
+
+
+def forward_times(params, args: ModelArgs, trees: list[Tree], *, batch: int, context: int,
+                  reps: int = 11) -> dict[Tree, float]:
+  """Seconds of one cached forward of each window (a chain of k heads: k tokens, heads 1..k;
+  a tree: its nodes with its mask, heads 1..tree.k) at `context` tokens of cache, timed on
+  their own outside any decoding loop (the in-loop seconds per forward would make a x T1 / Tc
+  equal the measured speed-up by construction). Each compiled and warmed up, then `reps` rounds
+  calling every window once, and the minimum per window: on a shared machine other work only
+  ever adds time, and interleaving lets every window see the same load. Cached per shape."""
+  trees = list(dict.fromkeys(trees))
+  key = (args, batch, context, tuple(trees), id(params), reps)
+  if key not in _FORWARD:
+    fns = [_forward_fn(params, args, t, batch, context) for t in trees]
+    times = [[] for _ in trees]
+    for _ in range(reps):
+      for f, ts in zip(fns, times):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    _FORWARD[key] = {t: float(min(ts)) for t, ts in zip(trees, times)}
+  return _FORWARD[key]
+
+
+def forward_seconds(params, args: ModelArgs, k: int, *, batch: int, context: int,
+                    reps: int = 21, tree: Tree | None = None) -> dict[str, float]:
+  """The cost model's inputs (`forward_times`, interleaved): a 1-token window with head 1 alone
+  (T1, "forward_1") and a k-token window with heads 1..k (Tk, "forward_k"), or `tree`'s."""
+  window = chain(k) if tree is None else tree
+  t = forward_times(params, args, [chain(1), window], batch=batch, context=context, reps=reps)
+  return {"forward_1": t[chain(1)], "forward_k": t[window]}
+
+
+def _forward_fn(params, args, tree: Tree, batch, context):
+  k = tree.k
+  p = heads.slice_params(params, heads.KINDS[args.head_kind], k)
+  a = dataclasses.replace(args, n_future=k)
+  model = MTPModel(a)
+  width = tree.n_nodes
+  cache = init_decode_cache(a, batch, context + width + 1, dtype=a.dtype)
+  toks = jnp.zeros((batch, width), jnp.int32)
+  seg = None
+  if max(tree.spec, default=1) > 1:  # a tree window: positions by depth, the mask as bits
+    pos = context + jnp.broadcast_to(jnp.asarray(tree.tables[1]), (batch, width))
+    seg = jnp.broadcast_to(jnp.asarray(tree.bits()), (batch, width))
+  else:
+    pos = context + jnp.broadcast_to(jnp.arange(width), (batch, width))
+  f = jax.jit(lambda p, c: model.apply({"params": p}, toks, seg, positions_BxS=pos, cache=c,
+                                       decoding=True))
+  jax.block_until_ready(f(p, cache))
+  return lambda: jax.block_until_ready(f(p, cache))
+
+
+def chain(k: int) -> Tree:
+  """The chain of k heads as a tree (k - 1 levels of one node)."""
+  return Tree((1,) * (k - 1))
+
+
+def candidates(n_future: int, trees: bool) -> list[Tree]:
+  """Chains of 1..n_future heads, and (trees) the listed trees that fit n_future heads."""
+  out = [chain(k) for k in range(1, n_future + 1)]
+  if trees:
+    out += [parse(s) for s in TREE_CANDIDATES if len(s.split(",")) < n_future]
+  return out
+
+
+def union(trees: list[Tree]) -> Tree:
+  """The smallest spec holding every candidate as a sub-tree (max width at each depth)."""
+  depth = max(len(t.spec) for t in trees)
+  return Tree(tuple(max((t.spec[d] for t in trees if len(t.spec) > d), default=1)
+                    for d in range(depth)))
+
+
+def reached_depth(probe: Tree, cand: Tree) -> np.ndarray:
+  """[N]: for each probe node as a cycle's deepest accepted node, the depth the candidate
+  would have accepted on that cycle: the greedy token at depth d was the probe's rank-r node
+  for d <= the node's depth (and ranked beyond the probe's width at the next depth)."""
+  parent, depth, rank, _, at_depth = probe.tables
+  out = np.zeros(len(parent), np.int64)
+  for n in range(len(parent)):
+    reached = 0
+    for d in range(1, min(depth[n], len(cand.spec)) + 1):
+      if rank[at_depth[n, d]] >= cand.spec[d - 1]:
+        break
+      reached = d
+    out[n] = reached
+  return out
+
+
+def predict_a(hist_BxN: np.ndarray, probe: Tree, cand: Tree) -> float:
+  """The slowest row's predicted tokens per forward with `cand` (module docstring)."""
+  hist_BxN = np.asarray(hist_BxN, np.float64)
+  pooled_N = hist_BxN.sum(0) / max(hist_BxN.sum(), 1)
+  p_BxN = (hist_BxN + PRIOR * pooled_N) / (hist_BxN.sum(1, keepdims=True) + PRIOR)
+  a_B = 1.0 + p_BxN @ reached_depth(probe, cand)
+  return float(a_B.min())
+
+
+def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds) -> dict:
+  """The candidate of highest predicted S = a x T1 / T(candidate); seconds(tree) -> (T1, T)
+  (`forward_times`).
+  Returns {"tree": Tree, "S_predicted", "a_predicted", "table": [...]} (plain decoding, the
+  chain of 1, unless a candidate's S is at least MIN_GAIN)."""
+  table = []
+  for cand in cands:
+    a = predict_a(hist_BxN, probe, cand)
+    t1, t = seconds(cand)
+    table.append({"tree": cand.name, "heads": cand.k, "nodes": cand.n_nodes, "a_predicted": a,
+                  "forward_1_seconds": t1, "forward_seconds": t, "S_predicted": a * t1 / t})
+  best = max(range(len(cands)), key=lambda i: table[i]["S_predicted"])
+  if table[best]["S_predicted"] < MIN_GAIN:
+    best = 0  # plain decoding
+  return {"tree": cands[best], "S_predicted": 1.0 if best == 0 else table[best]["S_predicted"],
+          "a_predicted": table[best]["a_predicted"], "table": table}

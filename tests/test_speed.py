@@ -1,0 +1,50 @@
+"""Speed-ups that mean what they say (mtp_jax.speed): a warm-up per mode, >= 3 interleaved timed
+calls, a median ratio with a noise band, "about the same" inside it; the demo report reads the
+verdict from bench_decode's records."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from mtp_jax import speed
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "experiments"))
+import demo_report  # noqa: E402
+
+
+def test_speed_compare_reports_a_band_and_about_the_same():
+  same = speed.compare([1.0, 1.3, 1.1], [1.05, 0.95, 1.2])  # identical work, noisy machine
+  assert same["verdict"] == "about the same" and same["band"][0] < 1 < same["band"][1]
+  assert "about the same as plain decoding" in speed.line(same)
+  fast = speed.compare([2.0, 2.2, 2.1], [1.0, 1.1, 1.05])
+  assert fast["verdict"] == "faster" and fast["speedup"] == pytest.approx(2.1 / 1.05)
+  assert speed.compare([1.0, 1.1, 1.0], [2.0, 2.1, 2.2])["verdict"] == "slower"
+  calls = []
+  timed = speed.time_modes({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")})
+  assert calls == ["a", "b"] * 4  # a warm-up each, then 3 timed calls each, interleaved
+  assert [len(t["seconds"]) for t in timed.values()] == [3, 3]
+  with pytest.raises(ValueError, match="--reps"):
+    speed.time_modes({"a": lambda: None}, reps=2)
+
+
+def record(S, band, variant="chain:4", heads=4, tree=None):
+  return {"mode": "greedy", "sampling": None, "variant": variant, "heads": heads, "tree": tree,
+          "auto": {"S_predicted": 1.0} if variant == "auto" else None, "batch": 1,
+          "prompt_len": 64, "tokens_per_row": 64, "a": 2.5, "acceptance_by_position": [0.5],
+          "identical": True, "forward_1_seconds": 1e-3, "forward_k_seconds": 2e-3,
+          "S_measured": S, "S_band": band, "verdict": speed.compare(
+              [band[0], S, band[1]], [1.0, 1.0, 1.0])["verdict"], "reps": 3,
+          "S_predicted": 1.2, "off_by": 0.1}
+
+
+def test_demo_report_says_about_the_same_inside_the_band():
+  summary = {"step": 400, "n_params": 1, "n_future": 4, "head_kind": "parallel"}
+  text = demo_report.report(summary, [record(1.00004, [0.9, 1.1]), record(1.4, [1.3, 1.5]),
+                                      record(1.0, [0.95, 1.05], "auto", 1)])
+  assert "noise band 0.90-1.10 over 3 timed calls each: about the same as plain decoding" in text
+  assert "noise band 1.30-1.50 over 3 timed calls each: faster than plain decoding" in text
+  assert "auto, chose plain decoding (head 1)" in text

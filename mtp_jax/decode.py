@@ -200,15 +200,19 @@ def choose(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k, tr
   r = dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=PROBE_CYCLES, **sample_kw)
   context = width + max_new_tokens // 2
 
-  times = costmodel.forward_times(params, args, [costmodel.chain(1)] + cands, batch=batch,
-                                  context=context)
-  seconds = lambda c: (times[costmodel.chain(1)], times[c])
+  times = costmodel.forward_times(params, args, [costmodel.chain(1), probe] + cands,
+                                  batch=batch, context=context)
+  # The loop's own cost (acceptance, drafting, cache bookkeeping) beyond the forward, measured on
+  # the probe: its in-loop seconds per forward over its window's timed forward, applied to
+  # every speculative candidate (plain decoding's loop adds little: measured, docs/decoding.md).
+  loop_factor = max(1.0, r.seconds / max(r.forwards, 1) / times[probe])
+  seconds = lambda c: (times[costmodel.chain(1)], times[c] * (loop_factor if c.k > 1 else 1.0))
 
   picked = costmodel.choose(r.rows_hist, probe, cands, seconds)
   best = picked.pop("tree")
   out = dict(picked, heads=best.k, tree=best if len(best.spec) and max(best.spec) > 1 else None,
              probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
-                    "tokens_per_forward": r.tokens_per_forward},
+                    "tokens_per_forward": r.tokens_per_forward, "loop_factor": loop_factor},
              seconds=time.perf_counter() - t0)
   _CHOICES[key] = out
   return out

@@ -6,7 +6,6 @@ tests/test_convert_families.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -16,11 +15,9 @@ import pytest
 
 from conftest import require, tiny_config, tiny_model
 from mtp_jax import attention, flops
-from mtp_jax import config as config_lib
 from mtp_jax import validation
-from mtp_jax.model_args import ModelArgs
 from mtp_jax.layers import rope_frequencies
-from mtp_jax.model import init_decode_cache
+from mtp_jax.model import init_decode_cache, model_args
 
 ROPES = {  # ours -> transformers' rope_parameters
     "linear": dict(rope_factor=4.0),
@@ -54,7 +51,7 @@ def test_rope_frequencies_equal_transformers(kind):
   for k, v in ROPES[kind].items():
     setattr(c.model, k, v)
   validation.validate(c)
-  inv, factor = rope_frequencies(ModelArgs.from_config(c.model))
+  inv, factor = rope_frequencies(model_args(c))
   hf = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=16,
                                 max_position_embeddings=256,
                                 rope_parameters=_hf_params(kind, ROPES[kind], 50000.0))
@@ -62,8 +59,8 @@ def test_rope_frequencies_equal_transformers(kind):
   np.testing.assert_allclose(inv, want.numpy(), rtol=1e-6)
   assert factor == pytest.approx(want_factor)
   if kind != "linear":  # the scaling changes some frequencies and keeps others
-    plain, _ = rope_frequencies(ModelArgs.from_config(tiny_config().model).__class__(
-        **{**ModelArgs.from_config(c.model).__dict__, "rope_scaling": "none"}))
+    plain, _ = rope_frequencies(model_args(tiny_config()).__class__(
+        **{**model_args(c).__dict__, "rope_scaling": "none"}))
     assert (inv != plain).any() and (inv == plain).any()
 
 

@@ -226,22 +226,21 @@ def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
       is_causal=not cached, local_window_size=local, implementation=implementation)
 
 
-def _splash_on_mesh(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
-                    window: int = 0):
+def _splash_on_mesh(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, **kw):
   """splash_attention, shard_mapped over the batch and head axes of the enclosing
   sharding.activation_rules (GSPMD cannot partition a Mosaic kernel: "Mosaic kernels cannot be
   automatically partitioned"): each device runs the kernel on its own rows and heads (a kv head's
-  query heads stay on its device). Outside activation_rules, the plain call."""
+  query heads stay on its device). Outside activation_rules, the plain call. `kw` goes to
+  splash_attention."""
   active = sharding.active_spec(("batch", "seq", "heads", "head_dim"))
   if active is None:
     return splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS,
-                            window=window)
+                            **kw)
   mesh, q_spec = active
   kv_spec = sharding.active_spec(("batch", "seq", "kv_heads", "head_dim"))[1]
   rows_spec = P(*q_spec[:2])
   segments = segment_ids_BxS is not None
-  kernel = lambda q, k, v, *seg: splash_attention(q, k, v, None, seg[0] if seg else None,
-                                                  window=window)
+  kernel = lambda q, k, v, *seg: splash_attention(q, k, v, None, seg[0] if seg else None, **kw)
   return jax.shard_map(
       kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + ((rows_spec,) if segments else ()),
       out_specs=q_spec, check_vma=False)(

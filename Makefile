@@ -10,7 +10,7 @@ DEMO_PROMPTS := $(wildcard experiments/prompts/*.txt)
 TPU_VENV := .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed
 
-.PHONY: install test test-tpu demo clean
+.PHONY: install lint test test-tpu demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,7 +32,11 @@ install: $(STAMP)
 # single-threaded compiles run side by side. PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
 
-test: install $(TPU_STAMP)
+# ruff (ruff.toml): pyflakes, pycodestyle, bugbear and pyupgrade checks; CI runs it first.
+lint: install
+	$(BIN)/ruff check .
+
+test: lint $(TPU_STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests --ignore=tests/tpu
 	$(MAKE) test-tpu
 

@@ -37,6 +37,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-xdist",
+            "ruff>=0.6",
             "chex>=0.1.89",
             # convert tests: torch reference forwards, transformers' LlamaForCausalLM.
             "torch>=2.4",

@@ -1,7 +1,8 @@
 """Fine-tune the heads of an imported model (python -m mtp_jax.convert from-hf): the model and
 tokenizer are the workdir's own, training starts from its params (train.init_from), and only
 heads 2..n train (optim.trainable = "heads"; "all" fine-tunes everything with the MTP loss, as
-Gloeckle et al. 2024's fine-tuning experiments do). The corpus is yours: text_folder over your code, or any corpus in the README.
+Gloeckle et al. 2024's fine-tuning experiments do). The corpus is yours: text_folder over your
+code, or any corpus in docs/data.md.
 
   python -m mtp_jax.train --config configs/finetune.py:IMPORTED --workdir RUN \\
       --config.data.corpus=text_folder --config.data.folder=~/my_code

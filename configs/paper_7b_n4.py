@@ -35,7 +35,8 @@ def get_config():
   m.tie_embeddings = False
   m.n_future = 4
   m.heads.kind = "parallel"
-  m.heads.parallel_stack = "scan"  # one head block alive at a time (plan_memory: vmap is far bigger)
+  # One head block alive at a time (plan_memory: vmap is far bigger).
+  m.heads.parallel_stack = "scan"
   m.dtype = "bfloat16"
   # "dots_with_no_batch_dims_saveable" is faster where memory allows (plan_memory tells).
   m.remat_policy = "full"

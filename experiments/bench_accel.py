@@ -199,8 +199,9 @@ def bench_decode(params, args, prompts_for, max_new: int, pad_id: int = 0,
   for batch in DECODE_BATCHES:
     prompts = prompts_for(batch)
     kw = dict(max_new_tokens=max_new, eos_id=-1, pad_id=pad_id)
-    fastest = lambda heads: min((decode_lib.decode(params, args, prompts, k=heads, **kw)
-                                 for _ in range(1 + reps)), key=lambda r: r.seconds)
+    fastest = lambda heads, prompts=prompts, kw=kw: min(
+        (decode_lib.decode(params, args, prompts, k=heads, **kw) for _ in range(1 + reps)),
+        key=lambda r: r.seconds)
     g, s = fastest(1), fastest(k)
     T1, Tc, a = g.seconds / g.forwards, s.seconds / s.forwards, s.tokens_per_forward
     a_batch = g.forwards / s.forwards  # what the slowest row allows the whole batch
@@ -281,9 +282,9 @@ def main(argv=None) -> dict:
   prompts_for = lambda b: [rng.integers(1, model_args.vocab_size, prompt_len) for _ in range(b)]
   params_from, note, pad_id = "random-init (the n=4 train variant's params)", RANDOM_NOTE, 0
   if args.workdir:
-    from mtp_jax.workdir import load_workdir  # pylint: disable=import-outside-toplevel
+    from mtp_jax.workdir import load_workdir
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_decode import heldout_prompts  # pylint: disable=import-outside-toplevel
+    from bench_decode import heldout_prompts
     loaded = load_workdir(args.workdir)
     params, model_args = loaded.params, loaded.model.args
     prompts_for = lambda b: heldout_prompts(loaded, b, prompt_len)
@@ -303,7 +304,7 @@ def main(argv=None) -> dict:
 
 def _aot_main(args) -> dict:
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import aot_decode  # pylint: disable=import-outside-toplevel
+  import aot_decode
   sizes = [x for x in args.sizes.split(",") if x]
   bad = [x for x in sizes if x not in SIZES]
   if bad or not sizes:

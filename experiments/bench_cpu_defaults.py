@@ -37,10 +37,10 @@ ENVS = {
 
 def worker(args):
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import jax  # noqa: PLC0415  (after the driver set this process's environment)
+  import jax
 
-  import bench_train  # noqa: PLC0415
-  from mtp_jax.config import load_file  # noqa: PLC0415
+  import bench_train
+  from mtp_jax.config import load_file
   c = load_file(args.config)
   c.model.heads.kind, c.model.n_future = args.kind, args.n_future
   c.model.attention_impl = args.impl

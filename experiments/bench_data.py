@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def write_short_docs(folder: str, glob: str, path: str, doc_bytes: int) -> None:
   """The folder's files cut at line ends into documents of about doc_bytes, as JSON lines."""
   with open(path, "w") as out:
-    for name in sources._FolderTexts(folder, glob).files:  # pylint: disable=protected-access
+    for name in sources._FolderTexts(folder, glob).files:
       with open(name, encoding="utf-8", errors="replace") as f:
         lines = f.readlines()
       doc, size = [], 0

@@ -25,16 +25,16 @@ from mtp_jax import runtime
 if __name__ == "__main__":  # before jax starts: XLA flags, malloc huge pages (README)
   runtime.apply_cpu_defaults()
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from mtp_jax import config as config_lib  # noqa: E402
-from mtp_jax import validation  # noqa: E402
-from mtp_jax import heads as heads_lib  # noqa: E402
-from mtp_jax import optimizer as optim_lib  # noqa: E402
-from mtp_jax import sharding as shard_lib  # noqa: E402
-from mtp_jax import steps as steps_lib  # noqa: E402
-from mtp_jax.model import build_model, param_count  # noqa: E402
+from mtp_jax import config as config_lib
+from mtp_jax import validation
+from mtp_jax import heads as heads_lib
+from mtp_jax import optimizer as optim_lib
+from mtp_jax import sharding as shard_lib
+from mtp_jax import steps as steps_lib
+from mtp_jax.model import build_model, param_count
 
 
 def make_config(args, trainable: str):

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtp_jax import code_tasks, runtime, sandbox  # noqa: E402
+from mtp_jax import code_tasks, runtime, sandbox
 
 
 def main():

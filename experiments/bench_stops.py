@@ -22,8 +22,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtp_jax import code_tasks, evaluate, runtime  # noqa: E402
-from mtp_jax.generate import load_workdir  # noqa: E402
+from mtp_jax import code_tasks, evaluate, runtime
+from mtp_jax.generate import load_workdir
 
 
 def main():

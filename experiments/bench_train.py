@@ -32,15 +32,15 @@ from mtp_jax import runtime
 if __name__ == "__main__":  # before jax starts: XLA flags, malloc huge pages (README)
   runtime.apply_cpu_defaults()
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from mtp_jax import cli  # noqa: E402
-from mtp_jax import optimizer as optim_lib  # noqa: E402
-from mtp_jax import sharding as shard_lib  # noqa: E402
-from mtp_jax import steps as steps_lib  # noqa: E402
-from mtp_jax.config import load_file  # noqa: E402
-from mtp_jax.model import build_model, param_count  # noqa: E402
+from mtp_jax import cli
+from mtp_jax import optimizer as optim_lib
+from mtp_jax import sharding as shard_lib
+from mtp_jax import steps as steps_lib
+from mtp_jax.config import load_file
+from mtp_jax.model import build_model, param_count
 
 VARIANTS = [("parallel", 1), ("parallel", 2), ("parallel", 4), ("sequential", 4),
             ("projection", 4)]
@@ -102,7 +102,7 @@ def _peer_step(args, overrides, fw, n):
   c = _peer_config(args, overrides, n)
   if fw == "jax":
     return jax_run(c)
-  import torch_peer  # noqa: PLC0415  (only --peer needs torch)
+  import torch_peer
   t = time.perf_counter()
   step, tokens, n_params = torch_peer.make_peer(c)
   step()
@@ -116,7 +116,7 @@ def peer_worker(args, overrides):
   step, tokens, n_params, first_s = _peer_step(args, overrides, fw, int(n))
   info = {"tokens": tokens, "n_params": n_params, "first_step_seconds": first_s}
   if fw == "torch":
-    import torch  # noqa: PLC0415
+    import torch
     info.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
   print(json.dumps(info), flush=True)
   for line in sys.stdin:
@@ -148,7 +148,7 @@ def _peer_runs(args, overrides):
           return _burst(step, k)
         info = {"tokens": tokens, "n_params": n_params, "first_step_seconds": first_s}
         if fw == "torch":
-          import torch  # noqa: PLC0415
+          import torch
           info.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
         runs[(fw, n)] = (one, info)
         continue

@@ -21,11 +21,11 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import heldout_prompts  # noqa: E402
+from bench_decode import heldout_prompts
 
-from mtp_jax import decode as decode_lib  # noqa: E402
-from mtp_jax import runtime  # noqa: E402
-from mtp_jax.workdir import load_workdir  # noqa: E402
+from mtp_jax import decode as decode_lib
+from mtp_jax import runtime
+from mtp_jax.workdir import load_workdir
 
 
 def main():

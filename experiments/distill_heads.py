@@ -34,14 +34,14 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_decode  # noqa: E402  (experiments/bench_decode.py)
+import bench_decode
 
-from mtp_jax import config as config_lib  # noqa: E402
-from mtp_jax import validation  # noqa: E402
-from mtp_jax import convert, train  # noqa: E402
-from mtp_jax import heads as heads_lib  # noqa: E402
-from mtp_jax.data import distill  # noqa: E402
-from mtp_jax.workdir import load_workdir  # noqa: E402
+from mtp_jax import config as config_lib
+from mtp_jax import validation
+from mtp_jax import convert, train
+from mtp_jax import heads as heads_lib
+from mtp_jax.data import distill
+from mtp_jax.workdir import load_workdir
 
 
 def make_base(source: str, root: str):

@@ -92,7 +92,7 @@ def ensure_devices(n: int) -> None:
 
 
 def load_config(path: str, overrides: list[str], mesh: str, batch: int):
-  from mtp_jax.config import load_file  # pylint: disable=import-outside-toplevel  (jax first)
+  from mtp_jax.config import load_file  # (jax first)
   c = load_file(path)
   for item in overrides:
     field, _, value = item.partition("=")
@@ -130,10 +130,10 @@ def _set(c, field: str, value: str) -> None:
 
 
 def _compile_step(model, tx, c, mesh, state, rows: int):
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  from mtp_jax import sharding as shard_lib
+  from mtp_jax import steps as steps_lib
   state_sh = jax.tree.map(lambda s: s.sharding, state)
   batch_sh = shard_lib.batch_sharding(mesh)
   batch = {k: jax.ShapeDtypeStruct((rows, c.data.seq_len), jnp.int32, sharding=batch_sh)
@@ -153,9 +153,9 @@ def step_cost(c, n_trunk: int, mesh, model_flops: float, how) -> dict:
   Unrolled depth is what makes that compile slow: with `how` = "depth" the trunk is compiled 1
   and 2 blocks deep and the cost extrapolated linearly to n_trunk blocks (every block is the same
   program); "full" compiles all of it."""
-  from mtp_jax import optimizer as optim_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
+  from mtp_jax import optimizer as optim_lib
+  from mtp_jax import steps as steps_lib
+  from mtp_jax.model import build_model
   A, B = c.train.grad_accum, c.train.batch_size
   device = mesh.devices.flat[0]
   depths = (n_trunk,) if how == "full" or n_trunk <= 2 else (1, 2)
@@ -188,7 +188,7 @@ def step_cost(c, n_trunk: int, mesh, model_flops: float, how) -> dict:
 
 
 def _variant(config, n_future: int):
-  from mtp_jax.config import parse_head_weights  # pylint: disable=import-outside-toplevel
+  from mtp_jax.config import parse_head_weights
   c = config.copy_and_resolve_references()
   c.model.n_future = n_future
   if not isinstance(parse_head_weights(c.loss.head_weights), str):
@@ -199,8 +199,8 @@ def _variant(config, n_future: int):
 def add_cost(args, config, devices, how: str) -> None:
   """--cost_only: step_cost's fields added to the records of an earlier run's --json (same
   config, overrides and target), without compiling for memory again."""
-  from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
+  from mtp_jax import sharding as shard_lib
+  from mtp_jax.model import build_model
   with open(args.json) as f:
     saved = json.load(f)
   if (saved.get("config"), saved.get("target"), saved.get("overrides")) != (
@@ -223,13 +223,13 @@ def plan(config, n_future: int, devices=None, cost: str = "depth") -> dict:
   jax.devices(); a TPU topology's abstract devices compile with XLA:TPU); memory per device and
   the compiler's cost. Where the compiler gives a time (XLA:TPU), `cost` ("depth", "full"; ""
   skips it) compiles the step again for its cost: `step_cost`."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from mtp_jax import flops as flops_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax import optimizer as optim_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax import sharding as shard_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax.model import build_model  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
+  from mtp_jax import flops as flops_lib
+  from mtp_jax import optimizer as optim_lib
+  from mtp_jax import sharding as shard_lib
+  from mtp_jax import steps as steps_lib
+  from mtp_jax.model import build_model
 
   c = _variant(config, n_future)
   model = build_model(c)  # validates
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
   print(report(records, hbm, args.config), flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      from mtp_jax import runtime  # pylint: disable=import-outside-toplevel
+      from mtp_jax import runtime
       json.dump(runtime.stamp({"config": args.config, "target": args.target,
                                "overrides": args.set, "records": records}), f, indent=2)
   return 0

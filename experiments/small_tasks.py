@@ -77,7 +77,7 @@ def task_overrides(items: list[str], task: str) -> dict:
 
 def evaluate(workdir: str, limit: int | None) -> dict:
   """tasks_eval.evaluate_workdir, cached in workdir/task_eval.json for this step and limit."""
-  from mtp_jax import tasks_eval  # pylint: disable=import-outside-toplevel
+  from mtp_jax import tasks_eval
   path = os.path.join(workdir, "task_eval.json")
   step = workdir_lib.read_summary(workdir)["step"]
   cached = scaling.read_json(path)
@@ -156,9 +156,9 @@ def table(records: list[dict], sizes: list[str], ns: list[int]) -> str:
 
 
 def plot(records: list[dict], ns: list[int], path: str) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt
   agg = aggregate(records)
   panels = [p for p in PANELS if p[:3] in agg]
   fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)

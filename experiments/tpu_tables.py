@@ -30,7 +30,8 @@ def plan_rows(paths: list[str]) -> list[str]:
           f"| {d['config']}{f' ({len(over)} --set, in the JSON)' if over else ''} | "
           f"{target} | {r.get('compiler', 'XLA:CPU')} | {r['n_future']} | "
           f"{r['peak_bytes'] / GIB:.2f} | {r['hbm_gib']:g} | {'yes' if r['fits'] else 'no'} | "
-          f"{f'{seconds:.3g} ({method})' if seconds else '-'} | {f'{100 * mfu:.0f}%' if mfu else '-'} |")
+          f"{f'{seconds:.3g} ({method})' if seconds else '-'} | "
+          f"{f'{100 * mfu:.0f}%' if mfu else '-'} |")
   return out
 
 

@@ -75,10 +75,10 @@ def target_devices(target: tuple[str, str | None]) -> list:
   platform, topology = target
   if platform != "tpu":
     raise ValueError(f"--target: {platform!r} has no topology to compile for")
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  import jax
+  from jax.experimental import topologies
   try:
-    import libtpu  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    import libtpu  # noqa: F401
   except ImportError:
     raise ValueError(f"--target tpu:{topology}: libtpu is not installed; install "
                      f"\"jax[tpu]=={jax.__version__}\" in a venv of its own (make .venv-tpu)"
@@ -103,7 +103,7 @@ def cost_record(compiled, device, dtype: str, model_flops_per_device: float | No
   roofline time `optimal_seconds`, with the MFU that time implies (model FLOPs per device over
   optimal_seconds x the datasheet peak of flops.PEAK_FLOPS). An estimate of the compiler, not a
   measurement: None where the compiler gives no time (XLA:CPU)."""
-  from mtp_jax import flops as flops_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import flops as flops_lib
   cost = compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   seconds = cost.get("optimal_seconds")
@@ -126,7 +126,7 @@ def unrolled_scans():
   included: they call it through the module) is fully unrolled, so that cost_analysis, which
   counts a loop body once, sees every iteration. The maths is the same; compile time and
   program size grow with the trip counts."""
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
   scan = jax.lax.scan
 
   def unrolled(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):

@@ -254,7 +254,7 @@ def splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids
   Imported here: it only builds on a TPU (or with
   `interpret=True`, how the CPU test runs it)."""
   del positions_BxS
-  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as splash, splash_attention_mask as masks)
   B, S, H, E = q_BxSxHxE.shape
   K = k_BxTxKxE.shape[2]

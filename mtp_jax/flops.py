@@ -129,7 +129,7 @@ def _dtype_name(dtype) -> str:
   return name
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _measure(device, dtype: str, n: int, reps: int) -> float:
   x = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.dtype(dtype)), device)
   f = jax.jit(lambda a, b: a @ b)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -52,7 +53,7 @@ def machine() -> dict[str, Any]:
   except OSError:
     pass
   if not cpu:
-    import platform  # pylint: disable=import-outside-toplevel
+    import platform
     cpu = platform.processor() or platform.machine()
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   return {"cpu": cpu, "cpu_cores": cores}
@@ -88,7 +89,7 @@ class MetricsWriter:
                mfu: Callable[[float], float | None] | None = None):
     """`mfu`: tokens/s -> model FLOPs utilisation (flops.mfu with this run's FLOPs per token and
     peak); train values then carry `mfu` too (console, metrics.jsonl, TensorBoard)."""
-    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel  (heavy)
+    from tensorboardX import SummaryWriter  # (heavy)
     self.mfu = mfu
     self.total_steps = total_steps
     self.tokens_per_step = tokens_per_step

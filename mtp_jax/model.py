@@ -44,7 +44,7 @@ class Trunk(nn.Module):
       return stack(a, name="layers")(x_BxSxD, positions_BxS, segment_ids_BxS, cache)
     new_caches = []
     for i in range(a.n_trunk):
-      layer_cache = None if cache is None else jax.tree.map(lambda c: c[i], cache)
+      layer_cache = None if cache is None else jax.tree.map(lambda c, i=i: c[i], cache)
       x_BxSxD, c = block(a, name=f"layers_{i}")(x_BxSxD, positions_BxS, segment_ids_BxS,
                                                 layer_cache)
       new_caches.append(c)

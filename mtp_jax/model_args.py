@@ -99,7 +99,7 @@ class ModelArgs:
     return out
 
   @classmethod
-  def from_config(cls, m, **derived) -> "ModelArgs":
+  def from_config(cls, m, **derived) -> ModelArgs:
     """The ModelArgs of a validated config.model `m` (fields it does not know are ignored),
     with `derived` (n_trunk, dtype, a preset's fields) taking precedence; lists become
     tuples."""

@@ -97,7 +97,7 @@ def machine_info(accelerator: bool = True) -> dict:
   """The machine a figure was measured on, for every bench record: CPU model, the ISA flags
   that change XLA:CPU's kernels (AVX2, AVX-512, AMX), core count, and the accelerator JAX runs
   on (platform, device kind, count; starts JAX's backend unless accelerator=False)."""
-  import platform  # pylint: disable=import-outside-toplevel
+  import platform
   model, flags_ = platform.processor() or platform.machine(), set()
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -112,7 +112,7 @@ def machine_info(accelerator: bool = True) -> dict:
   info = {"cpu_model": model, "isa": {f: f in flags_ for f in ISA_FLAGS},
           "cpu_count": os.cpu_count(), "arch": platform.machine()}
   if accelerator:
-    import jax  # pylint: disable=import-outside-toplevel
+    import jax
     devices = jax.devices()
     info["accelerator"] = {"platform": devices[0].platform,
                            "device_kind": devices[0].device_kind, "count": len(devices)}

@@ -95,7 +95,7 @@ def _landlock_abi() -> int:
   if platform.system() != "Linux":
     return 0
   try:
-    import ctypes  # pylint: disable=import-outside-toplevel
+    import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     abi = libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
     return max(int(abi), 0)

@@ -22,14 +22,14 @@ for _name, _soft, _hard in cfg["rlimits"]:
 
 def _setup(cfg):
   """Returns (nonce, marker fd) after dropping privileges and installing the filters."""
-  import ctypes  # pylint: disable=import-outside-toplevel
-  import struct  # pylint: disable=import-outside-toplevel
+  import ctypes
+  import struct
   libc = ctypes.CDLL(None, use_errno=True)
 
   def check(ok, what):
     if not ok:
       err = ctypes.get_errno()
-      sys.stderr.write("\nsandbox setup failed: %s: %s\n" % (what, os.strerror(err)))
+      sys.stderr.write(f"\nsandbox setup failed: {what}: {os.strerror(err)}\n")
       os._exit(120)
 
   nonce = os.read(cfg["nonce_fd"], 64)
@@ -54,7 +54,7 @@ def _setup(cfg):
     os.setgid(cfg["uid"])
     os.setuid(cfg["uid"])
     check(os.getuid() == os.geteuid() == cfg["uid"] and os.getgroups() == [], "drop to uid")
-    alias = "/proc/self/fd/%d" % fd
+    alias = f"/proc/self/fd/{fd}"
 
     def via_fd(paths):
       return [alias + p[len(install):] if p == install or p.startswith(install + os.sep)
@@ -92,7 +92,7 @@ def _setup(cfg):
     os.close(fd)
   if cfg["seccomp"]:
     arch, clone, clone3, eagain, eperm = cfg["seccomp"]
-    ret = lambda v: (0x06, 0, 0, v)  # noqa: E731
+    ret = lambda v: (0x06, 0, 0, v)
     allow_all, kill = 0x7FFF0000, 0x80000000
     # load arch; not ours: kill. load nr; x32 (>= 0x40000000): EPERM; clone3: ENOSYS (libc
     # falls back to clone, checked below); listed: EAGAIN / EPERM; clone: allowed only with
@@ -120,25 +120,25 @@ def _run(nonce, marker, write=os.write, exit_=os._exit, flush=sys.stdout.flush):
     src = f.read()
   g = {"__name__": "__main__", "__builtins__": __builtins__}
   try:
-    exec(compile(src, "program.py", "exec"), g)  # pylint: disable=exec-used
+    exec(compile(src, "program.py", "exec"), g)
   except BaseException as e:  # SystemExit too: a program that exits skips its own tests
     g.clear()  # frees what a MemoryError program holds before the traceback is formatted
     line = ""
     try:
-      import traceback  # pylint: disable=import-outside-toplevel
+      import traceback
       frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == "program.py"]
       if frames:
         n = frames[-1].lineno
-        line = " (line %d: %s)" % (n, src.splitlines()[n - 1].strip()[:200])
+        line = f" (line {n}: {src.splitlines()[n - 1].strip()[:200]})"
       msg = traceback.format_exception_only(type(e), e)[-1].strip()
-    except BaseException:  # pylint: disable=broad-except
+    except BaseException:
       msg = type(e).__name__
-    sys.stderr.write("\n%s%s\n" % (msg[:500], line))
+    sys.stderr.write(f"\n{msg[:500]}{line}\n")
     sys.stderr.flush()
     exit_(1)
   try:
     flush()
-  except BaseException:  # pylint: disable=broad-except
+  except BaseException:
     pass
   write(marker, nonce)  # the end-of-program marker: the program ran to its end
   exit_(0)

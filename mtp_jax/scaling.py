@@ -266,8 +266,8 @@ def fits(rows: list[dict]) -> dict[str, dict[str, Any]]:
 def plot(rows: list[dict], fitted: dict[str, dict[str, Any]]):
   """Figure: head-1 eval loss against parameters and against compute, log-log, one line of points
   (mean ± std over seeds) and its fit per n_future. matplotlib's object API, no pyplot state."""
-  from matplotlib import ticker  # pylint: disable=import-outside-toplevel
-  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+  from matplotlib import ticker
+  from matplotlib.figure import Figure
   groups = _groups(rows)
   fig = Figure(figsize=(11, 4.2), layout="constrained")
   axes = fig.subplots(1, 2)

@@ -16,7 +16,8 @@ import re
 import signal
 import subprocess
 import time
-from typing import Callable, IO, Sequence
+from typing import IO
+from collections.abc import Callable, Sequence
 
 
 @dataclasses.dataclass
@@ -78,7 +79,7 @@ class Scheduler:
   def _launch(self, job: Job, on_launch) -> None:
     slot = self._free.pop(0)
     os.makedirs(os.path.dirname(os.path.abspath(job.log_path)), exist_ok=True)
-    logf = open(job.log_path, "a")  # pylint: disable=consider-using-with  (closed in _finish)
+    logf = open(job.log_path, "a")  # (closed in _finish)
     when = time.strftime("%Y-%m-%d %H:%M:%S")
     logf.write(f"=== {self.label} {when}: {' '.join(job.command)}\n")
     logf.flush()

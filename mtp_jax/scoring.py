@@ -59,7 +59,7 @@ class Runner:
   def _finished(self, i, j, fut):
     try:
       self.outcomes[i][j] = fut.result()
-    except Exception as e:  # pylint: disable=broad-except  (the sandbox itself failed: say so)
+    except Exception as e:  # (the sandbox itself failed: say so)
       self.outcomes[i][j] = sandbox.Outcome("error", f"{type(e).__name__}: {e}", 0.0, -1)
     with self.lock:
       self.left[i] -= 1
@@ -173,7 +173,6 @@ class SamplesWriter:
   written (and flushed) batch by batch while generating."""
 
   def __init__(self, path: str | None):
-    # pylint: disable-next=consider-using-with
     self.f = open(path, "w", encoding="utf-8") if path else None
 
   def write(self, task_id: str, completion: str):

@@ -171,9 +171,9 @@ def _on_cloud_tpu() -> bool:
   """TPU chips on this VM's PCI bus (what JAX itself looks at), without starting a backend:
   jax.distributed must come first."""
   try:
-    from jax._src import hardware_utils  # pylint: disable=import-outside-toplevel
+    from jax._src import hardware_utils
     return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-  except Exception:  # pylint: disable=broad-except  (a private module: fall back to the nodes)
+  except Exception:  # (a private module: fall back to the nodes)
     return bool(glob.glob("/dev/accel*") or os.environ.get("TPU_WORKER_HOSTNAMES"))
 
 

@@ -28,7 +28,8 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from mtp_jax import scaling
 from mtp_jax import scheduler

@@ -102,10 +102,10 @@ def evaluate(predict: Predict, data_config, split: str, *, batch_size: int = 64,
 
 def head1_predictor(params, args) -> Predict:
   """Head 1's argmax at every position (the other heads are sliced off, not run)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from mtp_jax import decode  # pylint: disable=import-outside-toplevel
-  from mtp_jax.model import MTPModel, logits  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  from mtp_jax import decode
+  from mtp_jax.model import MTPModel, logits
   params_1, args_1 = decode.slice_heads(params, args, 1)
   model = MTPModel(args_1)
 

@@ -109,8 +109,8 @@ def restore_params(workdir: str, model, tx, config: ml_collections.ConfigDict, m
   """(params, step) of workdir's latest good checkpoint, or None without one: a params-only
   checkpoint (mtp_jax.convert's), or a run's train state restored with its optimizer tree `tx`
   and everything but the params dropped; placed as `model` and `config` shard them on `mesh`."""
-  from mtp_jax import steps as steps_lib  # pylint: disable=import-outside-toplevel
-  from mtp_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from mtp_jax import steps as steps_lib
+  from mtp_jax.checkpoint import Checkpointer
   target = steps_lib.abstract_state(model, tx, config, mesh)
   with Checkpointer(checkpoints_dir(workdir), async_save=False) as ckpt:
     if ckpt.saved_keys() == {"params"}:  # imported by mtp_jax.convert: no optimizer state
@@ -134,13 +134,11 @@ class Loaded:
 def load_workdir(workdir: str) -> Loaded:
   """Config, model, params (latest good checkpoint) and tokenizer of a training workdir, or of
   one written by `mtp_jax.convert` (its checkpoint holds the params alone)."""
-  # pylint: disable=import-outside-toplevel
   from mtp_jax import optimizer as optim_lib
   from mtp_jax import sharding as shard_lib
   from mtp_jax import validation
   from mtp_jax.data import tokenizers
   from mtp_jax.model import build_model
-  # pylint: enable=import-outside-toplevel
   if not os.path.isfile(config_path(workdir)):
     raise ValueError(f"--workdir: {workdir!r} has no {CONFIG}; train into it first with "
                      f"python -m mtp_jax.train --workdir {workdir}")
@@ -157,7 +155,6 @@ def load_workdir(workdir: str) -> Loaded:
 def check_init_from(config: ml_collections.ConfigDict, workdir: str) -> None:
   """train.init_from names a workdir holding this config's params tree and tokenizer; else one
   line naming the first difference (raised before the run writes anything)."""
-  # pylint: disable=import-outside-toplevel
   import filecmp
 
   import flax.linen as nn
@@ -167,7 +164,6 @@ def check_init_from(config: ml_collections.ConfigDict, workdir: str) -> None:
   from mtp_jax import validation
   from mtp_jax.data import tokenizers
   from mtp_jax.model import build_model
-  # pylint: enable=import-outside-toplevel
   field, hint = "config.train.init_from", "take config.model and config.data.tokenizer from it"
   if not is_workdir(workdir):
     raise ValueError(f"{field}: {workdir!r} is not a workdir with {CONFIG} and {CHECKPOINTS}/ "
@@ -176,7 +172,7 @@ def check_init_from(config: ml_collections.ConfigDict, workdir: str) -> None:
 
   def shapes(c):
     model = build_model(c)
-    tokens = steps_lib._dummy_tokens(c)  # pylint: disable=protected-access
+    tokens = steps_lib._dummy_tokens(c)
     tree = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens)["params"])
     leaves = jax.tree_util.tree_flatten_with_path(nn.unbox(tree))[0]
     return {"/".join(str(getattr(k, "key", k)) for k in p): s.shape for p, s in leaves}
@@ -199,13 +195,11 @@ def init_state_from(model, tx, config: ml_collections.ConfigDict, mesh, workdir:
   """train.init_from: the params of `workdir`'s latest checkpoint (`restore_params`, with the
   source run's own optimizer tree), on this run's shardings, with a fresh optimizer state at
   step 0 (a steps.TrainState): a new run, not a resume."""
-  # pylint: disable=import-outside-toplevel
   import jax
   import jax.numpy as jnp
 
   from mtp_jax import optimizer as optim_lib
   from mtp_jax import steps as steps_lib
-  # pylint: enable=import-outside-toplevel
   restored = restore_params(workdir, model, optim_lib.make_optimizer(read_config(workdir)),
                             config, mesh)
   if restored is None:

@@ -138,7 +138,7 @@ def check_loss_grads(results):
       n = 2 if kind == "parallel" else 3
       c = make_config(kind, n_future=n, mesh=(2, 2, 2), first_rules=HEADS_ON_TENSOR)
       runs.append((f"{kind}/2,2,2/mtp_heads=tensor/n{n}", c, (2, 2, 2)))
-    for name, cfg, m in runs:
+    for name, cfg, _mesh in runs:
       t0 = time.perf_counter()
       if cfg.model.n_future != base_cfg.model.n_future:
         p = random_params(build_model(cfg), seed=1)

@@ -1,4 +1,5 @@
-"""Checkpointer: exact round trips, resumable input, and the orbax traps measured in docs/DESIGN.md."""
+"""Checkpointer: exact round trips, resumable input, and the orbax traps measured in
+docs/DESIGN.md."""
 
 import logging
 import os

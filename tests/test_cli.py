@@ -211,7 +211,7 @@ def test_every_entry_point_has_help():
     (["--config", "c.py", "--helpfull"], "full"), (["--workdir", "w"], None),
     (["--", "--help"], None)])
 def test_help_wanted(argv, wanted):
-  assert cli._help_wanted(argv) == wanted  # pylint: disable=protected-access
+  assert cli._help_wanted(argv) == wanted
 
 
 # The flag errors of train / generate / data.prepare (absl's global FLAGS through

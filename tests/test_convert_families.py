@@ -48,7 +48,7 @@ FAMILIES = {  # family: (config class, model class, extra config, head kind)
 def train_bpe(folder, *, bos_template: bool) -> str:
   """A byte-level BPE (every text encodes) with <s>, </s>, <pad>; Llama 3 style: its template
   puts <s> first."""
-  from tokenizers import (  # pylint: disable=import-outside-toplevel
+  from tokenizers import (
       decoders, models, pre_tokenizers, processors, trainers)
   tok = tokenizers_lib.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

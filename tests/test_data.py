@@ -254,7 +254,7 @@ def test_python_code_corpus(tmp_path):
 
 def test_pack_hand_worked_example():
   """Docs of 3 and 4 tokens (eos included) into rows of 4: the second doc spills over."""
-  import grain  # pylint: disable=import-outside-toplevel
+  import grain
   docs = [np.array([10, 11, 12], np.int32), np.array([20, 21, 22, 23], np.int32)]
   ds = pipeline.PackIterDataset(grain.MapDataset.source(docs).to_iter_dataset(), seq_len=4,
                                 pad_id=99)
@@ -266,7 +266,7 @@ def test_pack_hand_worked_example():
 def test_pack_whole_docs_hand_worked_example():
   """data.whole_docs: a document that does not fit in the rest of a row starts the next one, one
   longer than a row is still cut; a restored state (through JSON) gives the same rows."""
-  import grain  # pylint: disable=import-outside-toplevel
+  import grain
   docs = [np.arange(10, 13), np.arange(20, 24), np.arange(30, 32), np.arange(40, 47)]
   ds = pipeline.PackIterDataset(
       grain.MapDataset.source([d.astype(np.int32) for d in docs]).to_iter_dataset(), seq_len=5,

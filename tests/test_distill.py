@@ -14,7 +14,6 @@ import grain
 import numpy as np
 import pytest
 
-from mtp_jax import config as config_lib
 from mtp_jax import validation
 from mtp_jax import convert, train
 from mtp_jax import decode as decode_lib
@@ -28,7 +27,7 @@ FLAGS = ["--prompt_len", "6", "--max_new_tokens", "10", "--batch_size", "3", "--
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-  from conftest import tiny_config, tiny_model  # pylint: disable=import-outside-toplevel
+  from conftest import tiny_config, tiny_model
   root = tmp_path_factory.mktemp("distill")
   c = tiny_config("parallel", 3)
   c.model.vocab_size = 259  # the byte tokenizer's

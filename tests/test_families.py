@@ -66,7 +66,7 @@ def test_rope_frequencies_equal_transformers(kind):
 
 def test_sliding_window_mask_by_hand():
   """Window 3 over positions 0..5: query t sees keys t-2..t; in a second segment only its own."""
-  visible = attention._visible_BxSxT  # pylint: disable=protected-access
+  visible = attention._visible_BxSxT
   pos = jnp.arange(6)[None]
   got = np.asarray(visible(pos, None, 6, False, window=3)[0])
   want = np.array([[1, 0, 0, 0, 0, 0],
@@ -173,7 +173,7 @@ def test_kv_cache_equals_full_forward_with_every_feature(kind, impl):
     m2, _ = tiny_model(c2)
     p2 = {"qkv_bias": lambda: _drop(params, "bias"),
           "qk_norm": lambda: _drop(params, "q_norm", "k_norm")}.get(field, lambda: params)()
-    h2, _ = jax.jit(lambda p: m2.apply({"params": p}, tokens))(p2)
+    h2, _ = jax.jit(lambda p, m2=m2: m2.apply({"params": p}, tokens))(p2)
     assert float(jnp.max(jnp.abs(h2[0] - h_ref[0]))) > 1e-3, field
 
 

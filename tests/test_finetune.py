@@ -278,7 +278,7 @@ def test_heads_only_allocates_no_state_for_frozen_params(kind, make_config, make
 
 def test_zero_update_keeps_signed_zeros():
   """optax.apply_updates would turn a frozen -0.0 into +0.0 (p + 0.0)."""
-  from mtp_jax import steps  # pylint: disable=import-outside-toplevel
+  from mtp_jax import steps
   p = {"w": np.array([-0.0, 1.0, -2.0], np.float32)}
   u = {"w": np.array([0.0, 0.5, 0.0], np.float32)}
   out = np.asarray(steps.apply_updates(p, u)["w"])

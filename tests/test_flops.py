@@ -127,7 +127,7 @@ def test_cpu_peak_is_measured_once():
 def test_bench_accel_tiny(capsys):
   """bench_accel's main at its tiny size, 2 steps: the JSON it prints carries every figure."""
   sys.path.insert(0, os.path.join(ROOT, "experiments"))
-  import bench_accel  # pylint: disable=import-outside-toplevel
+  import bench_accel
   rec = bench_accel.main(["--size", "tiny", "--steps", "2", "--warmup", "0",
                           "--max_new_tokens", "6", "--decode_reps", "1"])
   assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(rec))
@@ -153,7 +153,7 @@ def test_bench_accel_fit_batch(monkeypatch):
   """--batch auto: the search over powers of two, and the compiled peak it reads (from shapes
   alone) grows with the batch."""
   sys.path.insert(0, os.path.join(ROOT, "experiments"))
-  import bench_accel  # pylint: disable=import-outside-toplevel
+  import bench_accel
   make = lambda b: bench_accel.make_config("tiny", 4, "float32", b, [])
   small, big = bench_accel.compiled_peak(make(1)), bench_accel.compiled_peak(make(8))
   assert 0 < small < big

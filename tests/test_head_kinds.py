@@ -88,7 +88,7 @@ def test_new_kind_in_one_class_trains_and_decodes(bias_kind, make_config):
 
   # FLOPs: the kind counts its own (none), flops.py the trunk of n_layers blocks and the rest.
   f, m = flops_lib.flops_per_token(c), c.model
-  block = flops_lib._block(m.d_model, m.n_heads, m.n_kv_heads, m.d_ff)  # pylint: disable=protected-access
+  block = flops_lib._block(m.d_model, m.n_heads, m.n_kv_heads, m.d_ff)
   assert f["heads"] == 0 and f["trunk"] == 3 * m.n_layers * block
   assert f["unembedding"] == 3 * 3 * 2 * m.d_model * m.vocab_size
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 
-from mtp_jax import config as config_lib
 from mtp_jax import validation
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import steps

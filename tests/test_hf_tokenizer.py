@@ -27,7 +27,7 @@ PROBES = TEXTS[:4] + ["", " ", "\t\tindent", "  x = {'k': [1, 2]}  # comment", "
 def bpe(tmp_path_factory):
   """A byte-level BPE with a Llama 3 style template (<s> first) and tokenizer_config.json."""
   lib = require("tokenizers")
-  from tokenizers import (  # pylint: disable=import-outside-toplevel
+  from tokenizers import (
       decoders, models, pre_tokenizers, processors, trainers)
   folder = tmp_path_factory.mktemp("bpe")
   tok = lib.Tokenizer(models.BPE())
@@ -84,7 +84,7 @@ def test_config_json_ids_and_bad_files(tmp_path, bpe):
     tokenizers.HFTokenizer(str(folder))
   c = tiny_config()
   c.data.tokenizer = "hf"
-  from mtp_jax import validation  # pylint: disable=import-outside-toplevel
+  from mtp_jax import validation
   with pytest.raises(ValueError, match="^config.data.hf_tokenizer: must name a tokenizer.json"):
     validation.validate(c)
 
@@ -126,7 +126,7 @@ def test_no_byte_fallback_warned_at_import_named_at_training(tmp_path):
                   r"characters \('.*no byte fallback", warning), warning
   assert "\n" not in warning
   assert workdir.check_coverage(tokenizers.ByteTokenizer(), "bytes") == ""
-  to_ids = pipeline._Tokenize(tok, False)  # pylint: disable=protected-access
+  to_ids = pipeline._Tokenize(tok, False)
   with pytest.raises(ValueError, match=r"^cannot encode text in src/x\.py: '\|' maps to the "
                      "unknown piece"):
     to_ids({"text": b"abc | def", "path": b"src/x.py"})

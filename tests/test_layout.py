@@ -148,8 +148,8 @@ def test_no_file_over_400_lines():
 
 def test_config_imports_no_jax():
   """Reading a config loads no JAX and nothing from mtp_jax but the JAX-free ModelArgs."""
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
+  import subprocess
+  import sys
   code = ("import sys, mtp_jax.config; print(sorted(m for m in sys.modules "
           "if m == 'jax' or m.startswith('mtp_jax.')))")
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

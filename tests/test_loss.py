@@ -157,7 +157,7 @@ def test_loss_and_grads_equal_naive(n, z_loss):
     vg = lambda f: jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w, tokens, segments)
     out = {"naive": vg(lambda *a: naive_mtp_loss(*a, weights, z_loss=z_loss))}
     for c in (1, 4):
-      out[f"chunks{c}"] = vg(lambda *a: mtp_loss(*a, weights, token_chunks=c, z_loss=z_loss))
+      out[f"chunks{c}"] = vg(lambda *a, c=c: mtp_loss(*a, weights, token_chunks=c, z_loss=z_loss))
     if z_loss:
       out["no_z"] = naive_mtp_loss(h, w, tokens, segments, weights)[0]
     return out
@@ -225,7 +225,7 @@ def test_weighted_sum_of_head_losses():
 V, D, B, S = 32768, 256, 8, 256
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _loss_temp_bytes(n: int, naive: bool = False, chunks: int = 1) -> int:
   weights = np.ones(n, np.float32)
   if naive:

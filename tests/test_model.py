@@ -86,7 +86,7 @@ def test_scan_equals_unrolled(make_config, make_model, kind):
   assert n_trunk >= 2
   stacked = params["trunk"]["layers"]
   params_unrolled = dict(params)
-  params_unrolled["trunk"] = {f"layers_{i}": jax.tree.map(lambda x: x[i], stacked)
+  params_unrolled["trunk"] = {f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked)
                               for i in range(n_trunk)}
   expected = jax.eval_shape(lambda: init_params(unrolled, jax.random.PRNGKey(0)))
   assert _shapes(params_unrolled) == _shapes(expected)

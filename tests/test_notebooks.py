@@ -122,7 +122,7 @@ def _run_install(nb, monkeypatch, repo_url, *, tpu=False, gpu=False, files=()):
        and not pattern.startswith("/dev")]))
   for var in ("COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE"):
     monkeypatch.delenv(var, raising=False)
-  exec(_install_cell(nb), {"REPO_URL": repo_url, "JAX_PIN": ">=0.10,<0.11"})  # pylint: disable=exec-used
+  exec(_install_cell(nb), {"REPO_URL": repo_url, "JAX_PIN": ">=0.10,<0.11"})
   pip = [c for c in calls if "pip" in c]
   return pip[0][pip[0].index("-q") + 1:] if pip else None
 
@@ -145,5 +145,5 @@ def test_install_cell_picks_the_runtime_jax(name, monkeypatch):
   monkeypatch.undo()
   calls = []
   monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a))
-  exec(_install_cell(nb), {"REPO_URL": "", "JAX_PIN": ""})  # pylint: disable=exec-used
+  exec(_install_cell(nb), {"REPO_URL": "", "JAX_PIN": ""})
   assert not calls, "mtp_jax is importable here: nothing to install"

@@ -86,7 +86,8 @@ def test_grad_accumulation_is_exact_with_uneven_padding(make_config, make_model)
   @jax.jit
   def run(params, batch):
     ref = jax.grad(plain, has_aux=True)(params, batch)
-    micro = [plain(params, jax.tree.map(lambda x: x[i:i + 2], batch))[1] for i in range(0, 8, 2)]
+    micro = [plain(params, jax.tree.map(lambda x, i=i: x[i:i + 2], batch))[1]
+             for i in range(0, 8, 2)]
     return (steps_lib.make_grad_fn(model, c)(params, batch),
             steps_lib.make_grad_fn(model, c4)(params, batch), ref, micro,
             loss_lib.model_loss(params, model, bare, batch)[0])

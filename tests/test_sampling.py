@@ -35,7 +35,7 @@ KINDS = ("parallel", "projection", "sequential")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make(kind: str):
   c = tiny_config(kind, n_future=K)
   c.model.vocab_size = V
@@ -248,7 +248,7 @@ def test_bad_sampling_arguments(kw, flag):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-  from mtp_jax import convert  # pylint: disable=import-outside-toplevel
+  from mtp_jax import convert
   c = tiny_config("sequential", n_future=3)
   c.model.vocab_size = 259  # the byte tokenizer
   _, params = tiny_model(c)
@@ -282,7 +282,7 @@ def test_generate_cli_samples_in_both_modes(workdir):
     (["--prompt", "x" * 30, "--max_new_tokens", "8"], "--max_new_tokens"),  # max_len is 32
 ])
 def test_generate_bad_input_one_line_exit_2(workdir, capsys, args, flag):
-  from mtp_jax import generate  # pylint: disable=import-outside-toplevel
+  from mtp_jax import generate
   generate.FLAGS.unparse_flags()
   generate.FLAGS(["generate", "--workdir", workdir, "--prompt", "x", *args])
   with pytest.raises(SystemExit) as e:

@@ -13,7 +13,7 @@ from mtp_jax import speed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "experiments"))
-import demo_report  # noqa: E402
+import demo_report
 
 
 def test_speed_compare_reports_a_band_and_about_the_same():

@@ -110,7 +110,7 @@ def byte_model(make_config, make_model):
 
 @pytest.mark.parametrize("k, temperature", [(1, 0.0), (2, 0.0), (2, 1.0)])
 def test_decode_stops_rows_early_with_the_same_cut(byte_model, k, temperature):
-  from mtp_jax import decode  # pylint: disable=import-outside-toplevel
+  from mtp_jax import decode
   args, params = byte_model
   prompts = [TOK.encode(t) for t in ("def f(x):\n", "class A:\n", "x = [", "# a\n")]
   kw = dict(max_new_tokens=40, k=k, eos_id=TOK.eos_id, pad_id=TOK.pad_id,

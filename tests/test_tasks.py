@@ -250,7 +250,7 @@ def test_evaluator_polynomial(data_dir):
 
 def test_head1_predictor_matches_greedy_decoding(make_model, make_config):
   """The evaluator's padded, segment-masked forward gives the token greedy decoding gives."""
-  from mtp_jax import decode  # pylint: disable=import-outside-toplevel
+  from mtp_jax import decode
   c = make_config("parallel", 2)
   c.model.vocab_size = 259
   model, params = make_model(c)

@@ -28,7 +28,7 @@ from mtp_jax.data import tokenizers
 
 
 def _load(workdir: str):
-  from mtp_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import workdir as workdir_lib
   if not os.path.isfile(os.path.join(workdir, "config.json")):
     raise ValueError(f"--workdir: {workdir!r} has no config.json")
   loaded = workdir_lib.load_workdir(workdir)
@@ -74,7 +74,7 @@ def meta_ffn(dim: int, d_ff: int) -> dict:
 def export_meta(workdir: str, out: str) -> dict:
   """Parallel heads -> params.json + consolidated.00.pth (+ tokenizer.model); returns the
   params.json written."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   loaded, flat = _load(workdir)
   a = loaded.model.args
   if a.head_kind != "parallel":
@@ -103,7 +103,7 @@ def export_meta(workdir: str, out: str) -> dict:
 def export_deepseek(workdir: str, out: str) -> dict:
   """Sequential heads (DeepSeek-V3's preset) -> config.json + model.safetensors (+
   tokenizer.model); returns the config.json written."""
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  from safetensors.numpy import save_file
   loaded, flat = _load(workdir)
   a = loaded.model.args
   layout = dict(seq_concat="emb_first", seq_trunk_state="post_norm",

@@ -9,7 +9,7 @@ import glob
 import json
 import os
 import pickle
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -32,7 +32,7 @@ class MetaShards:
   them), memory-mapped; a tensor's model-parallel shards are joined only when it is read."""
 
   def __init__(self, ckpt: str):
-    import torch  # pylint: disable=import-outside-toplevel
+    import torch
     paths = sorted(glob.glob(os.path.join(ckpt, "*.pth")))
     if not paths:
       raise ValueError(f"--ckpt: no *.pth (consolidated.00.pth) in {ckpt!r}")
@@ -79,7 +79,7 @@ class Safetensors:
   numpy reader refuses them (numpy has no bfloat16)."""
 
   def __init__(self, ckpt: str):
-    from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+    from safetensors import safe_open
     index = os.path.join(ckpt, "model.safetensors.index.json")
     if os.path.isfile(index):
       names = set(read_json(index, "index")["weight_map"].values())

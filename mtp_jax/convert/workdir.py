@@ -215,7 +215,7 @@ def export_hf(workdir: str, out: str) -> dict:
   """Trunk + head 1 of a workdir as HF files of its model.family (LlamaForCausalLM,
   Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM): config.json, model.safetensors
   (float32) and the tokenizer's file(s). numpy only."""
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  from safetensors.numpy import save_file
 
   loaded = workdir_lib.load_workdir(workdir)
   a, tok = loaded.model.args, loaded.tokenizer

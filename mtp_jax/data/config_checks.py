@@ -5,7 +5,7 @@ anything is written. Imports nothing from mtp_jax, so config can import it."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import ml_collections
 

@@ -51,21 +51,21 @@ def record_field(record, key: str):
 
 
 def default_tfds_dir() -> str:
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  import tensorflow_datasets as tfds
   return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser(
       str(tfds.core.constants.DATA_DIR))
 
 
 def tfds_builder(name: str, data_dir: str, *, field: str = "config.data.tfds_name"):
   """The read-only builder of a prepared ArrayRecord dataset, from its files alone."""
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
-  from tensorflow_datasets.core import read_only_builder  # pylint: disable=import-outside-toplevel
+  import tensorflow_datasets as tfds
+  from tensorflow_datasets.core import read_only_builder
   if not name:
     raise ValueError(f"{field}: must name a prepared tfds dataset ('name/config:version')")
   where = os.path.expanduser(data_dir) if data_dir else default_tfds_dir()
   try:
     builder = read_only_builder.builder_from_files(name, data_dir=where)
-  except Exception:  # pylint: disable=broad-except  (DatasetNotFoundError or a malformed name)
+  except Exception:  # (DatasetNotFoundError or a malformed name)
     base = name.split("/")[0].split(":")[0]
     if base in tfds.list_builders(with_community_datasets=False):
       raise ValueError(f"{field}: {name!r} is not prepared in {where}; prepare it once (this "
@@ -83,7 +83,7 @@ def tfds_builder(name: str, data_dir: str, *, field: str = "config.data.tfds_nam
 
 def check_text_key(builder, key: str, *, field: str = "config.data.text_key") -> None:
   """Raises the one-line error when `key` is not a text feature of the builder's records."""
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  import tensorflow_datasets as tfds
   feature = builder.info.features
   for part in split_key(key):
     if not isinstance(feature, tfds.features.FeaturesDict) or part not in feature:
@@ -102,7 +102,7 @@ def tfds_split_source(builder, split: str, *, field: str):
   """Random-access records of a tfds split string ("train", "train[:99%]")."""
   try:
     return builder.as_data_source(split=split)
-  except Exception as e:  # pylint: disable=broad-except  (unknown split or bad slice syntax)
+  except Exception as e:  # (unknown split or bad slice syntax)
     raise ValueError(f"{field}: {split!r} is not a split of {builder.info.full_name} (splits: "
                      f"{', '.join(map(repr, builder.info.splits))}; slices such as "
                      f"'train[:99%]' allowed): {str(e).splitlines()[0] if str(e) else ''}"
@@ -224,7 +224,7 @@ class HeldOut:
 
 def token_source(data_config, split: str, tokenizer):
   """(random-access source of token records, metadata) of `split` of the array_record corpus."""
-  import grain  # pylint: disable=import-outside-toplevel
+  import grain
   d = data_config
   field = "config.data.val_files" if split != "train" and d.val_files else "config.data.files"
   files = shard_files(d.val_files if field.endswith("val_files") else d.files, field)
@@ -233,7 +233,7 @@ def token_source(data_config, split: str, tokenizer):
   try:
     source = grain.sources.ArrayRecordDataSource(files)
     len(source)
-  except Exception as e:  # pylint: disable=broad-except  (a corrupt footer or index)
+  except Exception as e:  # (a corrupt footer or index)
     raise ValueError(f"{field}: cannot read the shards: {str(e).splitlines()[0]}") from None
   if not d.val_files:
     source = HeldOut(source, d.val_percent, validation=split != "train")

@@ -50,7 +50,7 @@ class _ShardPrompts:
   """Token records of `array_record:GLOB` shards (prepare's format), as ids."""
 
   def __init__(self, pattern: str, loaded):
-    import grain  # pylint: disable=import-outside-toplevel
+    import grain
     files = corpora.shard_files(pattern, "--source")
     meta = corpora.load_metadata(files, "--source")
     corpora.check_tokenizer(meta, loaded.config.data, loaded.tokenizer,
@@ -142,9 +142,9 @@ def distill(workdir: str, source: str, out: str, *, prompt_len: int = 64,
             glob: str = "**/*", split: str = "train", tfds_data_dir: str = "",
             hf_cache_dir: str = "", progress: bool = True) -> dict:
   """Writes DIR/tokens-*.array_record and DIR/metadata.json; returns the metadata."""
-  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  from array_record.python import array_record_module
 
-  from mtp_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  from mtp_jax import workdir as workdir_lib
   f = dict(locals())
   check_flags(f)
   out = os.path.expanduser(out)
@@ -234,7 +234,7 @@ def distill(workdir: str, source: str, out: str, *, prompt_len: int = 64,
 
 
 def _define(fv) -> None:
-  from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl import flags
   flags.DEFINE_string("workdir", None, "the model: a training or imported workdir", flag_values=fv)
   flags.DEFINE_string("source", None, "prompts: tfds:NAME, folder:DIR, jsonl:FILE, "
                       "hf:NAME[:CONFIG], hf:DIR or array_record:GLOB", flag_values=fv)
@@ -262,7 +262,7 @@ def _define(fv) -> None:
 def main(argv=None) -> int:
   fv = cli.parse(argv, _define, prog="python -m mtp_jax.data.distill", usage=__doc__.split(
       "\n\n")[1], required=("workdir", "source", "out"))
-  from absl import logging  # pylint: disable=import-outside-toplevel
+  from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   start = time.time()
   kw = {name: fv[name].value for name in _DEFINING + ("batch_size", "tfds_data_dir",

@@ -48,12 +48,12 @@ class HFTokenizer:
   """tokenizer.json through `tokenizers.Tokenizer`, ids as the model's embedding rows."""
 
   def __init__(self, path: str):
-    import tokenizers  # pylint: disable=import-outside-toplevel
+    import tokenizers
     self.path = resolve(path)
     folder = os.path.dirname(self.path)
     try:
       self._tok = tokenizers.Tokenizer.from_file(self.path)
-    except Exception as e:  # pylint: disable=broad-except  (the Rust side raises Exception)
+    except Exception as e:  # (the Rust side raises Exception)
       raise ValueError(f"config.data.hf_tokenizer: cannot read {self.path} "
                        f"({str(e).splitlines()[0]})") from None
     self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
@@ -132,7 +132,7 @@ def copy_files(tok: HFTokenizer, out: str) -> str:
   folder `out`, which may hold another config.json: without a tokenizer_config.json, one naming
   the special tokens `tok` found is written, so the copy has the same ids. Returns the copy's
   path."""
-  import shutil  # pylint: disable=import-outside-toplevel
+  import shutil
   src, dst = tok.path, os.path.join(out, TOKENIZER_JSON)
   if os.path.abspath(src) == os.path.abspath(dst):
     return dst

@@ -191,7 +191,7 @@ def make_dataset(config, split: str, *, batch_size: int | None = None,
   data = config.data
   builders.check_split(data, split)
   if process_index is None or process_count is None:
-    import jax  # pylint: disable=import-outside-toplevel
+    import jax
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:

@@ -94,7 +94,7 @@ def prepare(source: str, tokenizer: str, out: str, *, shards: int = 8, workers: 
 
   workers = 0 tokenizes in this process. Every input is checked before `out` is created.
   """
-  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  from array_record.python import array_record_module
   if shards < 1:
     raise ValueError(f"--shards: must be >= 1, got {shards}")
   if workers < 0:
@@ -165,7 +165,7 @@ def prepare(source: str, tokenizer: str, out: str, *, shards: int = 8, workers: 
 
 def main(argv) -> None:
   del argv
-  from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl import flags
   f = flags.FLAGS
   try:
     start = time.time()
@@ -186,7 +186,7 @@ def main(argv) -> None:
 
 
 def define_flags() -> None:
-  from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl import flags
   flags.DEFINE_string("source", None,
                       "tfds:NAME, folder:DIR, jsonl:FILE, hf:NAME[:CONFIG] or hf:DIR")
   flags.DEFINE_string("tokenizer", "byte", "byte, spm:PATH (a SentencePiece model) or "
@@ -206,7 +206,7 @@ def define_flags() -> None:
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
-  from mtp_jax import cli  # pylint: disable=g-import-not-at-top
+  from absl import app
+  from mtp_jax import cli
   define_flags()
   app.run(main, flags_parser=cli.parse_flags)  # --help exits 0, a bad flag is one line

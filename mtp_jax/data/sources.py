@@ -20,7 +20,7 @@ class _FolderTexts:
   """Random-access texts of a folder's files (None for a file that is not UTF-8)."""
 
   def __init__(self, folder: str, glob: str):
-    from mtp_jax.data import builders  # pylint: disable=import-outside-toplevel
+    from mtp_jax.data import builders
     try:
       self.files = [path for _, path in builders.folder_files(folder, glob)]
     except ValueError as e:
@@ -116,7 +116,7 @@ class _HfTexts:
 
   def __init__(self, arg: str, split: str, key: str, cache_dir: str):
     try:
-      import datasets  # pylint: disable=import-outside-toplevel
+      import datasets
     except ImportError:
       raise ValueError("--source: hf:NAME needs the hf extra: pip install 'mtp_jax[hf]'") from None
     folder, name, config = _parse_hf(arg)
@@ -157,8 +157,8 @@ def _parse_hf(arg: str) -> tuple[str, str, str]:
     return os.path.expanduser(name), "", config
   if name.startswith(("/", ".", "~")) or name.count("/") > 1:
     raise ValueError(f"--source: hf:{arg}: no folder {name!r}")
-  from datasets import packaged_modules  # pylint: disable=import-outside-toplevel
-  if name in packaged_modules._PACKAGED_DATASETS_MODULES:  # pylint: disable=protected-access
+  from datasets import packaged_modules
+  if name in packaged_modules._PACKAGED_DATASETS_MODULES:
     raise ValueError(f"--source: hf:{name} is a file format, not a dataset; use jsonl:FILE, "
                      "or hf:DIR for a folder of data files")
   return "", name, config
@@ -167,13 +167,13 @@ def _parse_hf(arg: str) -> tuple[str, str, str]:
 def _split_of_saved(saved, split: str):
   """The rows of a split string ("train[:99%]", "a+b") of what load_from_disk returned; a lone
   Dataset is the split it was saved from, or "train" as datasets names unsplit data."""
-  import datasets  # pylint: disable=import-outside-toplevel
-  from datasets.arrow_reader import ReadInstruction  # pylint: disable=import-outside-toplevel
+  import datasets
+  from datasets.arrow_reader import ReadInstruction
   splits = (dict(saved) if isinstance(saved, datasets.DatasetDict)
             else {str(saved.split or "train"): saved})
   try:
     parts = ReadInstruction.from_spec(split).to_absolute({k: len(v) for k, v in splits.items()})
-  except Exception:  # pylint: disable=broad-except  (unknown split or bad slice syntax)
+  except Exception:  # (unknown split or bad slice syntax)
     raise ValueError(f"--split: {split!r} is not a split of the saved dataset (splits: "
                      f"{', '.join(map(repr, splits))}; slices such as 'train[:99%]' allowed)"
                      ) from None
@@ -184,14 +184,14 @@ def _split_of_saved(saved, split: str):
 def _load_cached(datasets, path: str, config: str, split: str, cache_dir: str):
   """datasets.load_dataset with the Hub off (as HF_HUB_OFFLINE=1): the cached dataset, or the
   one-line error naming the command that caches it."""
-  import huggingface_hub  # pylint: disable=import-outside-toplevel
+  import huggingface_hub
   where = os.path.expanduser(cache_dir) if cache_dir else datasets.config.HF_DATASETS_CACHE
   spec = f"hf:{path}" + (f":{config}" if config else "")
   offline = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
   datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
   try:
     return datasets.load_dataset(path, config or None, split=split, cache_dir=where)
-  except Exception as e:  # pylint: disable=broad-except  (not cached, unknown config or split)
+  except Exception as e:  # (not cached, unknown config or split)
     line = (str(e).splitlines() or [type(e).__name__])[0]
     if not os.path.isdir(path) and (isinstance(e, (ConnectionError, FileNotFoundError))
                                     or "find cache" in line):

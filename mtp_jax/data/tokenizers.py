@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Iterator, Protocol
+from typing import Protocol
+from collections.abc import Iterator
 
 import numpy as np
 import sentencepiece as spm
@@ -77,7 +78,8 @@ class ByteTokenizer:
   def decode(self, ids) -> str:
     """Drops special ids; a byte run that is not UTF-8 (a model's guess) decodes to U+FFFD."""
     ids_T = np.asarray(ids).reshape(-1)
-    return ids_T[(ids_T >= 0) & (ids_T < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+    raw = ids_T[(ids_T >= 0) & (ids_T < 256)].astype(np.uint8).tobytes()
+    return raw.decode("utf-8", errors="replace")
 
 
 class SentencePieceTokenizer:
@@ -215,7 +217,7 @@ def train_sentencepiece(texts, out_path: str, vocab_size: int, *, model_type: st
 
 
 def _corpus_texts(data_config) -> Iterator[str]:
-  from mtp_jax.data import builders  # pylint: disable=import-outside-toplevel
+  from mtp_jax.data import builders
   source = builders.load_source(data_config, "train")
   key = builders.text_key(data_config)
   for i in range(len(source)):
@@ -225,8 +227,8 @@ def _corpus_texts(data_config) -> Iterator[str]:
 def main(argv=None) -> None:
   """`argv` without the program name (default sys.argv[1:]). Bad input raises ValueError (one
   line; `python -m` prints it as `error: ...` and exits 2)."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  from mtp_jax import cli  # pylint: disable=import-outside-toplevel
+  from absl import flags
+  from mtp_jax import cli
   data = config_lib.base_config().data
 
   def define(fv):
@@ -264,5 +266,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-  from mtp_jax import cli as _cli  # pylint: disable=import-outside-toplevel
+  from mtp_jax import cli as _cli
   _cli.run(main)

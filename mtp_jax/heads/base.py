@@ -13,14 +13,15 @@ final norm scale, the embedding table) come in as plain arguments, so lifting st
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 
 from mtp_jax.model_args import ModelArgs
 
-KINDS: dict[str, type["HeadKind"]] = {}
+KINDS: dict[str, type[HeadKind]] = {}
 
 
 def register(name: str) -> Callable:

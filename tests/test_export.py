@@ -71,3 +71,16 @@ def test_export_refuses_the_wrong_kind(make_config, make_model, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --workdir: ") and match in err[0], err
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_export_refuses_model_family_features(make_config, make_model, tmp_path, capsys):
+  """Meta's and DeepSeek's layouts are a plain Llama: q/k/v biases have nowhere to go."""
+  c = make_config("parallel", 2)
+  c.model.vocab_size, c.model.qkv_bias = 259, True
+  wd = str(tmp_path / "wd")
+  convert.write_workdir(wd, c, make_model(c)[1])
+  for command in ("to-meta", "to-deepseek"):
+    assert convert.main([command, "--workdir", wd, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.qkv_bias = True" in err[0], err
+    assert not os.path.exists(tmp_path / "o")

@@ -32,6 +32,13 @@ def _load(workdir: str):
   if not os.path.isfile(os.path.join(workdir, "config.json")):
     raise ValueError(f"--workdir: {workdir!r} has no config.json")
   loaded = workdir_lib.load_workdir(workdir)
+  a = loaded.model.args
+  # Meta's and DeepSeek's layouts are a plain Llama: the model-family features have no place.
+  for field, plain in (("qkv_bias", False), ("qk_norm", False), ("rope_scaling", "none"),
+                       ("sliding_window", 0)):
+    if getattr(a, field) != plain:
+      raise ValueError(f"--workdir: {workdir!r} has model.{field} = {getattr(a, field)!r}, "
+                       "which Meta's and DeepSeek's layouts cannot hold; to-hf writes its family")
   flat = traverse_util.flatten_dict(jax.device_get(loaded.params))
   loaded.params = None
   return loaded, flat
@@ -103,7 +110,7 @@ def export_meta(workdir: str, out: str) -> dict:
 def export_deepseek(workdir: str, out: str) -> dict:
   """Sequential heads (DeepSeek-V3's preset) -> config.json + model.safetensors (+
   tokenizer.model); returns the config.json written."""
-  from safetensors.numpy import save_file
+  from mtp_jax.convert.workdir import write_hf_folder
   loaded, flat = _load(workdir)
   a = loaded.model.args
   layout = dict(seq_concat="emb_first", seq_trunk_state="post_norm",
@@ -134,14 +141,4 @@ def export_deepseek(workdir: str, out: str) -> dict:
       "tie_word_embeddings": a.tie_embeddings, "hidden_act": "silu",
       "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
   }
-  for name in ("bos", "eos", "pad"):
-    i = getattr(tok, f"{name}_id")
-    config[f"{name}_token_id"] = i if 0 <= i < a.vocab_size else None
-  os.makedirs(out, exist_ok=True)
-  path = os.path.join(out, "model.safetensors")
-  save_file(tensors, path, metadata={"format": "pt"})
-  os.chmod(path, 0o644)  # safetensors writes it owner-only
-  with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump(config, f, indent=2)
-  _copy_tokenizer(tok, out)
-  return config
+  return write_hf_folder(out, config, tensors, tok, a.vocab_size)

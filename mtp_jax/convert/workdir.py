@@ -215,8 +215,6 @@ def export_hf(workdir: str, out: str) -> dict:
   """Trunk + head 1 of a workdir as HF files of its model.family (LlamaForCausalLM,
   Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM): config.json, model.safetensors
   (float32) and the tokenizer's file(s). numpy only."""
-  from safetensors.numpy import save_file
-
   loaded = workdir_lib.load_workdir(workdir)
   a, tok = loaded.model.args, loaded.tokenizer
   flat = traverse_util.flatten_dict(jax.device_get(loaded.params))
@@ -236,9 +234,18 @@ def export_hf(workdir: str, out: str) -> dict:
       "max_position_embeddings": a.max_len, "tie_word_embeddings": a.tie_embeddings,
       "hidden_act": "silu", "torch_dtype": "float32", **families.export_config(a, a.family),
   }
+  return write_hf_folder(out, hf, tensors, tok, a.vocab_size)
+
+
+def write_hf_folder(out: str, hf: dict, tensors: dict, tok, vocab_size: int) -> dict:
+  """A Hugging Face style folder: config.json (`hf` with the tokenizer's bos/eos/pad ids),
+  model.safetensors (`tensors`) and the tokenizer's file(s); returns the config written."""
+  from safetensors.numpy import save_file
   for name in ("bos", "eos", "pad"):  # a test-sized vocabulary may not reach the byte ids
     i = getattr(tok, f"{name}_id")
-    hf[f"{name}_token_id"] = i if 0 <= i < a.vocab_size else None
+    hf[f"{name}_token_id"] = i if 0 <= i < vocab_size else None
+  if isinstance(tok, tokenizers.HFTokenizer) and not tok.has_bos:
+    hf["bos_token_id"] = None
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, "model.safetensors")
   save_file(tensors, path, metadata={"format": "pt"})
@@ -249,6 +256,4 @@ def export_hf(workdir: str, out: str) -> dict:
     shutil.copyfile(tok.path, os.path.join(out, "tokenizer.model"))
   if isinstance(tok, tokenizers.HFTokenizer):
     hf_tokenizer.copy_files(tok, out)
-    if not tok.has_bos:
-      hf["bos_token_id"] = None
   return hf

@@ -51,6 +51,7 @@ from mtp_jax import validation
 from mtp_jax import decode as decode_lib
 from mtp_jax import flops as flops_lib
 from mtp_jax import optimizer as optim_lib
+from mtp_jax import runtime
 from mtp_jax import sharding as shard_lib
 from mtp_jax.model import build_model, param_count
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 
 from mtp_jax import runtime
@@ -78,17 +77,6 @@ def build(c):
   return run, info
 
 
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor()
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--json", default="")
@@ -125,10 +113,8 @@ def main():
                 "d_ff": args.d_ff, "n_future": 4, "vocab_size": 32000, "remat_policy": "full"},
       "batch": {"batch_size": args.batch_size, "seq_len": args.seq_len},
       "warmup": args.warmup, "rounds": args.rounds,
-      "machine": {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
-                  "load_avg_1min_before": load_before[0],
-                  "load_avg_1min_after": os.getloadavg()[0],
-                  "backend": jax.default_backend(), "jax": jax.__version__},
+      "machine": dict(runtime.machine_info(), load_avg_1min_before=load_before[0],
+                      load_avg_1min_after=os.getloadavg()[0], jax=jax.__version__),
   }
   text = json.dumps(out, indent=1)
   print(text)

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode
 
 from mtp_jax import config as config_lib
+from mtp_jax import runtime
 from mtp_jax import validation
 from mtp_jax import convert, train
 from mtp_jax import heads as heads_lib
@@ -141,7 +142,7 @@ def main():
           flush=True)
   results["wall_seconds"] = time.time() - t0
   results["load_avg_1min_end"] = os.getloadavg()[0]
-  text = json.dumps(results, indent=1)
+  text = json.dumps(runtime.stamp(results), indent=1)
   print(text)
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

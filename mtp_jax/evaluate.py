@@ -105,7 +105,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
     gen.tokens_total += int(r.lengths[:n].sum())
     gen.cycles_total += int(r.cycles[:n].sum())
     if b == 0:
-      gen.first_batch = (batch, r, n, r.heads, dict(sample_kw))
+      gen.first_batch = (batch, r, n, getattr(r, "heads", k), dict(sample_kw))
     if on_batch is not None:
       on_batch(idx, out)
   return gen

@@ -20,7 +20,7 @@ from mtp_jax import heads
 from mtp_jax import sampling as sampling_lib
 from mtp_jax import stops as stops_lib
 from mtp_jax.model_args import ModelArgs
-from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding
+from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding, unrolled
 
 
 class Accepted(NamedTuple):
@@ -89,6 +89,7 @@ def draft_dists(h_kxBxSxD, W_DxV, slot_B, sp):
 @functools.partial(jax.jit, static_argnames=("args", "max_new_tokens", "sample"))
 def decode_chain(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max_cycles,
                  stop_m=None, *, args: ModelArgs, max_new_tokens: int, sample: bool):
+  params, args = unrolled(params, args)  # the layers' weights sliced once, not per cycle
   model = MTPModel(args)
   chain_reads = heads.KINDS[args.head_kind].decode_reads  # what the heads read (None: nothing)
   k = args.n_future

@@ -12,6 +12,7 @@ Gloeckle et al. 2024 §2: z = f_s(x), h_i = f_{h_i}(z), p_i = softmax(f_u(h_i)).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -42,15 +43,13 @@ class Trunk(nn.Module):
                       in_axes=(nn.broadcast, nn.broadcast, 0), length=a.n_trunk,
                       metadata_params={nn.PARTITION_NAME: "layers"})
       return stack(a, name="layers")(x_BxSxD, positions_BxS, segment_ids_BxS, cache)
-    new_caches = []
     for i in range(a.n_trunk):
       layer_cache = None if cache is None else jax.tree.map(lambda c, i=i: c[i], cache)
       x_BxSxD, c = block(a, name=f"layers_{i}")(x_BxSxD, positions_BxS, segment_ids_BxS,
                                                 layer_cache)
-      new_caches.append(c)
-    if cache is None:
-      return x_BxSxD, None
-    return x_BxSxD, jax.tree.map(lambda *c: jnp.stack(c), *new_caches)
+      if cache is not None:  # written back in place (a stack would copy the whole cache)
+        cache = jax.tree.map(lambda old, new, i=i: old.at[i].set(new), cache, c)
+    return x_BxSxD, cache
 
 
 class MTPModel(nn.Module):
@@ -135,6 +134,21 @@ def logits(params, args: ModelArgs, h_NxBxSxD) -> jax.Array:
                               unembedding(params, args).astype(h_NxBxSxD.dtype),
                               preferred_element_type=jnp.float32)
   return logits_NxBxSxV[..., :args.vocab_size]
+
+
+def unrolled(params, args: ModelArgs):
+  """(params, args) of the same model with its trunk unrolled (scan_layers False): the stacked
+  `trunk/layers` params split into `layers_0..n-1`, once. For decoding loops: inside a
+  lax.while_loop, a scanned trunk copies every layer's weights out of the stacked arrays at
+  every iteration (XLA:CPU does not hoist the slices out of the loop), an unrolled one reads
+  them in place. The same maths (tests/test_model.py: scan == unrolled)."""
+  if not args.scan_layers or args.n_trunk == 0:
+    return params, args
+  trunk = dict(params["trunk"])
+  stacked = trunk.pop("layers")
+  for i in range(args.n_trunk):
+    trunk[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+  return {**params, "trunk": trunk}, dataclasses.replace(args, scan_layers=False)
 
 
 def init_decode_cache(args: ModelArgs, batch: int, length: int, dtype=jnp.float32):

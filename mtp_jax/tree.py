@@ -36,7 +36,7 @@ import numpy as np
 from mtp_jax import sampling as sampling_lib
 from mtp_jax.config import ModelArgs
 from mtp_jax.decode_loop import DecodeState, gain
-from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding
+from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding, unrolled
 
 MAX_NODES = 32  # the tree mask travels as int32 bits, one per window token
 KINDS = ("parallel", "projection")  # head kinds whose heads draft a tree (see the docstring)
@@ -155,6 +155,7 @@ def decode_tree(params, prompt_BxP, prompt_len_B, eos_id, pad_id, max_cycles, *,
                 args: ModelArgs, max_new_tokens: int, tree: Tree):
   """Greedy decoding with tree drafts; returns what `decode_loop.decode_chain` returns, the
   histogram per row by deepest accepted node [B, N]."""
+  params, args = unrolled(params, args)  # the layers' weights sliced once, not per cycle
   model = MTPModel(args)
   k, N = args.n_future, tree.n_nodes
   _, depth_N, _, anc_NxN, at_depth_NxK = tree.tables

@@ -43,13 +43,22 @@ class Trunk(nn.Module):
                       in_axes=(nn.broadcast, nn.broadcast, 0), length=a.n_trunk,
                       metadata_params={nn.PARTITION_NAME: "layers"})
       return stack(a, name="layers")(x_BxSxD, positions_BxS, segment_ids_BxS, cache)
+    per_layer = isinstance(cache, list)  # init_decode_cache's layout for an unrolled trunk
+    new_caches = []
     for i in range(a.n_trunk):
-      layer_cache = None if cache is None else jax.tree.map(lambda c, i=i: c[i], cache)
+      if cache is None:
+        layer_cache = None
+      elif per_layer:  # [1, B, L, K, E] leaves: dropping the axis is free
+        layer_cache = jax.tree.map(lambda c: c[0], cache[i])
+      else:
+        layer_cache = jax.tree.map(lambda c, i=i: c[i], cache)
       x_BxSxD, c = block(a, name=f"layers_{i}")(x_BxSxD, positions_BxS, segment_ids_BxS,
                                                 layer_cache)
-      if cache is not None:  # written back in place (a stack would copy the whole cache)
+      if per_layer:
+        new_caches.append(jax.tree.map(lambda n: n[None], c))
+      elif cache is not None:  # written back in place (a stack would copy the whole cache)
         cache = jax.tree.map(lambda old, new, i=i: old.at[i].set(new), cache, c)
-    return x_BxSxD, cache
+    return x_BxSxD, new_caches if per_layer else cache
 
 
 class MTPModel(nn.Module):
@@ -152,9 +161,14 @@ def unrolled(params, args: ModelArgs):
 
 
 def init_decode_cache(args: ModelArgs, batch: int, length: int, dtype=jnp.float32):
-  """Zeroed KV caches for the trunk and every attention block of the heads."""
+  """Zeroed KV caches for the trunk and every attention block of the heads. Leaves are
+  [blocks, B, L, K, E]."""
   n_head_blocks = heads.KINDS[args.head_kind].cache_blocks(args)
-  return {"trunk": init_cache(args, args.n_trunk, batch, length, dtype),
+  # An unrolled trunk gets one cache per layer ([1, B, L, K, E] leaves, a list): each layer's
+  # keys are written in place, not sliced out of a stack and written back.
+  trunk = (init_cache(args, args.n_trunk, batch, length, dtype) if args.scan_layers else
+           [init_cache(args, 1, batch, length, dtype) for _ in range(args.n_trunk)])
+  return {"trunk": trunk,
           "heads": init_cache(args, n_head_blocks, batch, length, dtype)
           if n_head_blocks else None}
 

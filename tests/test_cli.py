@@ -155,7 +155,8 @@ _IN_ONE = ([("module", "mtp_jax.data.prepare", []), ("module", "mtp_jax.tasks_ev
            + [("module", "mtp_jax.data.tokenizers", [sub]) for sub in ("", "train")]
            + [("script", f"experiments/{s}.py", []) for s in (
                "analyze_sweep", "bench_accel", "bench_cpu_defaults", "bench_data",
-               "bench_decode", "bench_finetune", "bench_memory", "bench_sandbox", "bench_train",
+               "bench_decode", "bench_decode_hf", "bench_finetune", "bench_memory", "bench_sandbox",
+               "bench_train",
                "decode_acceptance", "demo_report", "distill_heads", "plan_memory",
                "small_tasks", "sweep")])
 _RUN_IN_ONE = """

@@ -70,8 +70,12 @@ def forward_cost(model_args, k: int, batch: int, context: int, dtype, device) ->
   i32 = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec()))
   with jax.set_mesh(mesh), aot.unrolled_scans():  # the TPU's kernels; every loop counted
-    compiled = f.lower(on(p), on(cache), i32(toks), i32(pos)).compile()
+    compiled = f.lower(on(p), on(cache), i32(toks), i32(pos)).compile(
+        aot.cost_compiler_options(device))
   rec = aot.cost_record(compiled, device, jnp.dtype(dtype).name, None)
+  if rec["optimal_seconds"] is None:
+    raise ValueError(f"--target: XLA:TPU gave no time for the {k}-token forward "
+                     f"(optimal_seconds {rec.get('optimal_seconds_invalid')})")
   rec["while_loops"] = aot.while_loops(compiled)
   return rec
 
@@ -106,7 +110,8 @@ def estimate(target_text: str, sizes: list[str], make_config, k: int, dtype: str
       print(json.dumps(runs[-1]), flush=True)
   return {
       "target": target_text, "compiler": aot.compiler_name(device),
-      "device_kind": device.device_kind, "dtype": dtype,
+      "compiler_version": aot.compiler_version(device),
+      "device_kind": device.device_kind, "dtype": dtype, "estimate": aot.ESTIMATE_NOTE,
       "what": "XLA:TPU cost_analysis optimal_seconds (the compiler's roofline estimate, every "
               "scan unrolled), not a measurement; the unembedding aside, as decode.forward_seconds",
       "acceptance_from": os.path.relpath(acceptance_path),

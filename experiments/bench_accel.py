@@ -314,7 +314,7 @@ def _aot_main(args) -> dict:
   make = lambda size, n, dt, b: make_config(size, n, dt, b, args.set)
   record = aot_decode.estimate(args.target, sizes, make, K, dtype, args.context,
                                args.acceptance, args.acceptance_prompt_len)
-  text = json.dumps(record, indent=2)
+  text = json.dumps(runtime.stamp(record), indent=2)
   print(text)
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -129,7 +129,7 @@ def _set(c, field: str, value: str) -> None:
   node[name] = new
 
 
-def _compile_step(model, tx, c, mesh, state, rows: int):
+def _compile_step(model, tx, c, mesh, state, rows: int, options=None):
   import jax
   import jax.numpy as jnp
   from mtp_jax import sharding as shard_lib
@@ -143,7 +143,7 @@ def _compile_step(model, tx, c, mesh, state, rows: int):
   step = jax.jit(steps_lib.make_train_step(model, tx, c), in_shardings=(state_sh, batch_sh),
                  out_shardings=(state_sh, None), donate_argnums=0)
   with shard_lib.activation_rules(mesh, c):  # traced here: attention picks the mesh's kernel
-    return step.lower(state, batch).compile()
+    return step.lower(state, batch).compile(options)
 
 
 def step_cost(c, n_trunk: int, mesh, model_flops: float, how) -> dict:
@@ -168,8 +168,12 @@ def step_cost(c, n_trunk: int, mesh, model_flops: float, how) -> dict:
     model, tx = build_model(cm), optim_lib.make_optimizer(cm)
     state = steps_lib.abstract_state(model, tx, cm, mesh)
     with aot.unrolled_scans():
-      compiled = _compile_step(model, tx, cm, mesh, state, B // A)
+      compiled = _compile_step(model, tx, cm, mesh, state, B // A,
+                               aot.cost_compiler_options(device))
     costs.append(aot.cost_record(compiled, device, c.model.dtype, None))
+    if costs[-1]["optimal_seconds"] is None:
+      raise ValueError(f"--cost: XLA:TPU gave no time for the step (optimal_seconds "
+                       f"{costs[-1].get('optimal_seconds_invalid')})")
     loops += aot.while_loops(compiled)
   keys = ("optimal_seconds", "compiler_flops", "compiler_bytes_accessed")
   if len(costs) == 1:
@@ -178,11 +182,15 @@ def step_cost(c, n_trunk: int, mesh, model_flops: float, how) -> dict:
     out = {k: A * (costs[0][k] + (costs[1][k] - costs[0][k]) * (n_trunk - 1)) for k in keys}
   peak = costs[0]["peak_flops_per_device"]
   out["mfu_at_optimal_seconds"] = model_flops / (out["optimal_seconds"] * peak) if peak else None
+  # the compiler's time turned into throughput: tokens of one step per chip over it (an estimate)
+  out["tokens_per_second_per_chip_at_optimal_seconds"] = (
+      B * c.data.seq_len / mesh.devices.size / out["optimal_seconds"])
   out["cost_method"] = (
       f"one micro-batch ({B // A} rows) compiled with every scan unrolled, x {A} micro-batches; "
       + ("the whole trunk" if len(costs) == 1 else
          f"trunk 1 and 2 blocks deep, extrapolated linearly to {n_trunk}"))
   out["cost_while_loops"] = loops
+  out["cost_compiler_options"] = aot.cost_compiler_options(device)
   out["cost_compile_seconds"] = round(time.perf_counter() - t0, 1)
   return out
 
@@ -362,8 +370,12 @@ def main(argv=None) -> int:
   if args.json:
     with open(args.json, "w") as f:
       from mtp_jax import runtime
-      json.dump(runtime.stamp({"config": args.config, "target": args.target,
-                               "overrides": args.set, "records": records}), f, indent=2)
+      head = {"config": args.config, "target": args.target, "overrides": args.set,
+              "compiler": records[0]["compiler"],
+              "compiler_version": records[0]["compiler_version"]}
+      if target[0] == "tpu":
+        head["what"] = aot.ESTIMATE_NOTE
+      json.dump(runtime.stamp({**head, "records": records}), f, indent=2)
   return 0
 
 

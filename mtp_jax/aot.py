@@ -94,6 +94,33 @@ def compiler_name(device) -> str:
   return COMPILERS.get(device.platform, f"XLA:{device.platform.upper()}")
 
 
+def compiler_version(device) -> str:
+  """The compiler behind a record: libtpu's version on a TPU target (the XLA:TPU that compiled),
+  jaxlib's otherwise."""
+  from importlib import metadata
+  package = "libtpu" if device.platform == "tpu" else "jaxlib"
+  try:
+    return f"{package} {metadata.version(package)}"
+  except metadata.PackageNotFoundError:
+    return f"{package} (version unknown)"
+
+
+ESTIMATE_NOTE = ("compile-time figures of the compiler (memory_analysis, cost_analysis "
+                 "optimal_seconds) for abstract chips on a CPU host; not measured on a TPU")
+
+
+# XLA:TPU's cost analysis has no cost for the ConcatBitcast custom call that memory-space
+# assignment's sliced prefetches emit: each one adds -1 s to optimal_seconds (a 125m decode
+# forward with two trunk blocks: -0.99975 s; with sliced prefetch off: 257 us). Compiles made for
+# their cost turn sliced prefetch off.
+COST_COMPILER_OPTIONS = {"xla_tpu_sliced_prefetch_max_slices": 0}
+
+
+def cost_compiler_options(device) -> dict:
+  """compiler_options for `.compile()` of a program compiled for its cost_analysis."""
+  return dict(COST_COMPILER_OPTIONS) if device.platform == "tpu" else {}
+
+
 def hbm_gib(device) -> float | None:
   return HBM_GIB.get(device.device_kind)
 
@@ -106,15 +133,18 @@ def cost_record(compiled, device, dtype: str, model_flops_per_device: float | No
   from mtp_jax import flops as flops_lib
   cost = compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-  seconds = cost.get("optimal_seconds")
-  seconds = float(seconds) if seconds is not None and seconds > 0 else None
+  raw = cost.get("optimal_seconds")
+  seconds = float(raw) if raw is not None and raw > 0 else None
   peak = flops_lib.PEAK_FLOPS.get(device.device_kind)
   peak = None if peak is None else peak[0 if dtype == "bfloat16" else 1]
-  rec = {"compiler": compiler_name(device), "device_kind": device.device_kind,
+  rec = {"compiler": compiler_name(device), "compiler_version": compiler_version(device),
+         "device_kind": device.device_kind,
          "compiler_flops": float(cost.get("flops", 0.0)),
          "compiler_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
          "optimal_seconds": seconds, "peak_flops_per_device": peak,
          "model_flops_per_device": model_flops_per_device, "mfu_at_optimal_seconds": None}
+  if raw is not None and seconds is None:  # no time: an op without a cost (see above)
+    rec["optimal_seconds_invalid"] = float(raw)
   if seconds and peak and model_flops_per_device:
     rec["mfu_at_optimal_seconds"] = model_flops_per_device / (seconds * peak)
   return rec

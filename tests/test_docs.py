@@ -5,6 +5,7 @@ discussions outside the repository."""
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import re
 
@@ -64,3 +65,20 @@ def test_relative_links_resolve(page):
 def test_no_references_outside_the_repository(page):
   found = [m.group(0) for m in OUTSIDE.finditer(_read(page))]
   assert not found, f"{page} cites {found}"
+
+
+def test_generated_tables_match_their_jsons(tmp_path):
+  """Tables between `<!-- tpu_tables ... -->` markers are experiments/tpu_tables.py's output for
+  the JSONs the marker names: a figure edited by hand, or a JSON written again, shows here."""
+  spec = importlib.util.spec_from_file_location(
+      "tpu_tables", os.path.join(ROOT, "experiments", "tpu_tables.py"))
+  tables = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tables)
+  stale = [page for page in PAGES if not tables.update(page, check=True)]
+  assert not stale, f"run: python experiments/tpu_tables.py --update {' '.join(stale)}"
+  page = tmp_path / "page.md"  # and the check sees a stale block, which --update rewrites
+  page.write_text("x\n<!-- tpu_tables --decode experiments/results/aot_decode_v5e_tiny.json -->\n"
+                  "| tiny | 1 | 16 | 9.9 |\n<!-- /tpu_tables -->\n")
+  assert not tables.update(str(page), check=True)
+  assert tables.update(str(page), check=False) is False and tables.update(str(page), check=True)
+  assert "| tiny | 1 | 16 | 3.6 | 7.3 | 2.02 | 2.98 | 1.47 |" in page.read_text()

@@ -4,6 +4,7 @@ compiler takes the program, what it picked, and the compiler's own numbers."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -43,8 +44,13 @@ def test_train_step_compiles_for_v5e_with_splash(tmp_path):
           "tpu:v5e:2x2", "--mesh", "fsdp=4", "--batch", "8", "--no_baseline", "--cost", "none",
           "--json", str(out)] + [a for k, v in small.items() for a in ("--set", f"{k}={v}")]
   assert _plan_memory().main(argv) == 0
-  (r,) = json.loads(out.read_text())["records"]
+  saved = json.loads(out.read_text())
+  (r,) = saved["records"]
   assert (r["compiler"], r["device_kind"], r["devices"]) == ("XLA:TPU", "TPU v5 lite", 4)
+  # the JSON names the compiler that made its figures, and that they are not measurements
+  version = importlib.metadata.version("libtpu")
+  assert saved["compiler_version"] == r["compiler_version"] == f"libtpu {version}"
+  assert "not measured" in saved["what"]
   assert r["attention_impl"] == "auto" and r["mosaic_kernel_calls"] > 0
   assert r["hbm_gib"] == 16.0 and r["fits"]
   # memory_analysis is per chip: the arguments are this chip's quarter of the state + its batch

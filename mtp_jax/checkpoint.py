@@ -251,7 +251,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _path_name(path: tuple) -> str:
-  return "/".join(str(k) for k in path) or "<root>"
+  return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
 
 
 def _tree_mismatch(saved_tree: Any, abstract_state: Any) -> str | None:

@@ -46,11 +46,16 @@ def make_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   return optax.join_schedules([optax.linear_schedule(0.0, o.lr, warmup), after], [warmup])
 
 
+def _names(path) -> tuple[str, ...]:
+  """A tree path's keys as plain names (("heads", "parallel", "kernel")), for lookups; strings
+  for messages come from jax.tree_util.keystr."""
+  return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+
+
 def decay_mask(params, decay_norms_and_embeddings: bool = False):
   """True where weight decay applies: every matrix, and norms and embeddings only if asked."""
   def leaf_mask(path, _):
-    names = [getattr(k, "key", str(k)) for k in path]
-    is_matrix = names[-1] == "kernel"
+    is_matrix = _names(path)[-1] == "kernel"
     return is_matrix or decay_norms_and_embeddings
   return jax.tree_util.tree_map_with_path(leaf_mask, params)
 
@@ -64,10 +69,6 @@ def trained_slots(config: ml_collections.ConfigDict) -> dict[tuple[str, str], li
     for path, index in kind.head_params(j):
       out.setdefault(tuple(path), []).append(index)
   return out
-
-
-def _names(path) -> tuple[str, ...]:
-  return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
 
 
 def trainable_labels(params, trained: dict) -> object:

@@ -69,7 +69,7 @@ def rules(config: ml_collections.ConfigDict):
 
 
 def _path_name(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def _check_divisible(path, shape, logical, spec, mesh: Mesh) -> None:

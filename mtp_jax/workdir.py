@@ -175,7 +175,7 @@ def check_init_from(config: ml_collections.ConfigDict, workdir: str) -> None:
     tokens = steps_lib._dummy_tokens(c)
     tree = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens)["params"])
     leaves = jax.tree_util.tree_flatten_with_path(nn.unbox(tree))[0]
-    return {"/".join(str(getattr(k, "key", k)) for k in p): s.shape for p, s in leaves}
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): s.shape for p, s in leaves}
 
   ours, theirs = shapes(config), shapes(source)
   for name in sorted(set(ours) | set(theirs)):

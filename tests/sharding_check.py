@@ -127,16 +127,30 @@ def loss_and_grads(config, params, batch, mesh=None):
   return jax.device_get(out), (param_sh, n_constraints)
 
 
+def family(c):
+  """Every model-family feature at once: q/k/v biases (sharded like their kernels), q/k norms,
+  head_dim 8 != 64 / 4, llama3 RoPE, a 5-token window."""
+  c.model.update(qkv_bias=True, qk_norm=True, head_dim=8, sliding_window=5,
+                 rope_scaling="llama3", rope_factor=4.0, rope_original_max_len=8)
+  return c
+
+
 def check_loss_grads(results):
+  """Every kind on every mesh against one device. The parallel kind's runs (and its stacked
+  heads on `tensor`) use the family features (`family`), so they are checked on every mesh
+  without compiles of their own; the plain parallel model is sharded by check_byte_vocab,
+  check_train_step and check_decode."""
   batch = make_batch()
   for kind in KINDS:
-    base_cfg = make_config(kind)
+    cfg_of = family if kind == "parallel" else (lambda c: c)
+    base_cfg = cfg_of(make_config(kind))
     params = random_params(build_model(base_cfg), seed=1)
     (ref_loss, ref_m), ref_g = loss_and_grads(base_cfg, params, batch)[0]
-    runs = [(f"{kind}/{','.join(map(str, m))}", make_config(kind, mesh=m), m) for m in MESHES]
+    runs = [(f"{kind}/{','.join(map(str, m))}", cfg_of(make_config(kind, mesh=m)), m)
+            for m in MESHES]
     if kind in ("parallel", "sequential"):  # the stacked head axis sharded over `tensor`
       n = 2 if kind == "parallel" else 3
-      c = make_config(kind, n_future=n, mesh=(2, 2, 2), first_rules=HEADS_ON_TENSOR)
+      c = cfg_of(make_config(kind, n_future=n, mesh=(2, 2, 2), first_rules=HEADS_ON_TENSOR))
       runs.append((f"{kind}/2,2,2/mtp_heads=tensor/n{n}", c, (2, 2, 2)))
     for name, cfg, _mesh in runs:
       t0 = time.perf_counter()
@@ -155,32 +169,12 @@ def check_loss_grads(results):
           "grads_cmp": compare(grads, rg),
           "sharded_leaves": sum(not s.is_fully_replicated for s in jax.tree.leaves(param_sh)),
           "head_specs": {k: v for k, v in sp.items() if "['heads']" in k},
+          "bias_specs": {k: v for k, v in sp.items() if k.endswith("['bias']")},
+          "family": bool(cfg.model.qkv_bias),
           "activation_constraints": n_constraints,
           "seconds": round(time.perf_counter() - t0, 2)}
       print(name, results["loss_grads"][name]["grads_cmp"], f"{time.perf_counter() - t0:.1f}s",
             flush=True)
-  check_family(results, batch)
-
-
-def check_family(results, batch):
-  """Every model-family feature at once (q/k/v biases sharded like their kernels, q/k norms,
-  head_dim 8 != 64 / 4, llama3 RoPE, a 5-token window) on (2, 2, 2) against one device."""
-  def family(c):
-    c.model.update(qkv_bias=True, qk_norm=True, head_dim=8, sliding_window=5,
-                   rope_scaling="llama3", rope_factor=4.0, rope_original_max_len=8)
-    return c
-  base_cfg = family(make_config("parallel"))
-  params = random_params(build_model(base_cfg), seed=2)
-  (rl, rm), rg = loss_and_grads(base_cfg, params, batch)[0]
-  ((loss, metrics), grads), (param_sh, _) = loss_and_grads(
-      family(make_config("parallel", mesh=(2, 2, 2))), params, batch,
-      shard_lib.make_mesh(family(make_config("parallel", mesh=(2, 2, 2)))))
-  sp = specs(param_sh)
-  results["loss_grads"]["parallel/2,2,2/family"] = {
-      "loss_cmp": compare(loss, rl), "head_loss_cmp": compare(metrics["head_loss"],
-                                                              rm["head_loss"]),
-      "grads_cmp": compare(grads, rg),
-      "bias_specs": {k: v for k, v in sp.items() if k.endswith("['bias']")}}
 
 
 def random_state(abstract, seed=0):

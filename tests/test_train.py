@@ -225,8 +225,8 @@ def test_consecutive_nonfinite_stops_and_keeps_checkpoint(corpus, tmp_path):
   assert not os.path.exists(wd / "summary.json")
 
 
+# An unknown config field (a flag error) is test_cli.py's, in a real process too.
 @pytest.mark.parametrize("overrides,needle", [
-    (["--config.model.foo=1"], "--config.model.foo"),
     (["--config.data.corpus=nope"], "config.data.corpus"),
     (["--config.data.seq_len=4096"], "config.data.seq_len"),
     (["--config.data.glob=*.nothing"], "config.data"),

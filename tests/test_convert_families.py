@@ -21,7 +21,7 @@ tokenizers_lib = require("tokenizers")
 
 from mtp_jax import config as config_lib  # noqa: E402
 from mtp_jax import convert, generate  # noqa: E402
-from mtp_jax import decode as decode_lib  # noqa: E402
+from mtp_jax.decoding import decode as decode_lib  # noqa: E402
 from mtp_jax.data import tokenizers  # noqa: E402
 from mtp_jax.model import logits  # noqa: E402
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtp_jax import decode as decode_lib
+from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as train_lib
@@ -202,7 +202,8 @@ def test_decoder_compiles_once_and_runs_any_prompts_of_its_shape(random_model):
     decoder([[1] * 12, [1], [1]], **ids)
 
 
-# heads="auto" (mtp_jax.costmodel): a forced cost model decides; the probe's acceptance is real.
+# heads="auto" (mtp_jax.decoding.costmodel): a forced cost model decides; the probe's acceptance is
+# real.
 def forced_costs(monkeypatch, tk_over_t1):
   def fake(params, args, trees, *, batch, context, reps=11):
     del params, args, batch, context, reps

@@ -16,7 +16,7 @@ import pytest
 
 from mtp_jax import validation
 from mtp_jax import convert, train
-from mtp_jax import decode as decode_lib
+from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.data import corpora, distill, tokenizers
 
 DOCS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n",

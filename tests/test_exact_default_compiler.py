@@ -23,7 +23,7 @@ import conftest  # MTP_JAX_TEST_FAST_COMPILE=0: leaves XLA_FLAGS alone
 flags = os.environ.get("XLA_FLAGS", "")
 assert "optimization_level" not in flags and "fusion_emitters" not in flags, flags
 import numpy as np
-from mtp_jax import decode
+from mtp_jax.decoding import decode
 out = {"xla_flags": flags, "cases": []}
 rng = np.random.default_rng(2)
 prompts = [list(rng.integers(0, 59, n)) for n in (3, 1, 9, 5)]

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from mtp_jax import config as config_lib  # noqa: E402
 from mtp_jax import validation  # noqa: E402
 from mtp_jax import convert, generate, train  # noqa: E402
-from mtp_jax import decode as decode_lib  # noqa: E402
+from mtp_jax.decoding import decode as decode_lib  # noqa: E402
 from mtp_jax import loss as loss_lib  # noqa: E402
 from mtp_jax import optimizer as optim_lib  # noqa: E402
 from mtp_jax.data import pipeline  # noqa: E402

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from mtp_jax import validation
-from mtp_jax import decode as decode_lib
+from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import flops as flops_lib
 from mtp_jax import heads
 from mtp_jax.layers import rms_norm

@@ -1,4 +1,5 @@
-"""Sampling and speculative sampling (mtp_jax.sampling, mtp_jax.decode with temperature > 0).
+"""Sampling and speculative sampling (mtp_jax.decoding.sampling, mtp_jax.decoding.decode with
+temperature > 0).
 
 The central check: speculative sampling with the MTP heads as drafts is distributed exactly as
 plain sampling from head 1 (Leviathan et al. 2023, Theorem 1). On a random model with 8 tokens,
@@ -24,8 +25,8 @@ import pytest
 from conftest import tiny_config, tiny_model
 from scipy import stats
 
-from mtp_jax import decode as decode_lib
-from mtp_jax import sampling
+from mtp_jax.decoding import decode as decode_lib
+from mtp_jax.decoding import sampling
 from mtp_jax.model import logits
 
 V, PAD, K, T = 8, 0, 3, 3  # vocabulary, pad id, heads used, generated tokens compared

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp_jax import sampling
+from mtp_jax.decoding import sampling
 
 # accept_sampled by hand. V = 3, k = 3: drafts d1, d2 drawn from q1, q2; head 1's p at slots 0..2.
 P3 = [[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0]]

@@ -11,7 +11,7 @@ import pytest
 
 from mtp_jax import config as config_lib
 from mtp_jax import validation
-from mtp_jax import tasks_eval
+from mtp_jax.evaluation import tasks_eval
 from mtp_jax.data import builders
 from mtp_jax.data import config_checks
 from mtp_jax.data import pipeline
@@ -250,7 +250,7 @@ def test_evaluator_polynomial(data_dir):
 
 def test_head1_predictor_matches_greedy_decoding(make_model, make_config):
   """The evaluator's padded, segment-masked forward gives the token greedy decoding gives."""
-  from mtp_jax import decode
+  from mtp_jax.decoding import decode
   c = make_config("parallel", 2)
   c.model.vocab_size = 259
   model, params = make_model(c)
@@ -268,8 +268,8 @@ def test_head1_predictor_matches_greedy_decoding(make_model, make_config):
 
 
 def test_small_tasks_script_end_to_end(data_dir, tmp_path):
-  """experiments/small_tasks.py on a 2-run grid of 3 steps: trains through mtp_jax.sweep, scores
-  every run, writes the table, JSON and PNG; a rerun trains nothing."""
+  """experiments/small_tasks.py on a 2-run grid of 3 steps: trains through mtp_jax.sweeps.sweep,
+  scores every run, writes the table, JSON and PNG; a rerun trains nothing."""
   import json
   import os
   import subprocess

@@ -1,4 +1,4 @@
-"""Tree drafts (mtp_jax.tree): greedy tree decoding equals greedy decoding token for token
+"""Tree drafts (mtp_jax.decoding.tree): greedy tree decoding equals greedy decoding token for token
 (parallel and projection heads, ragged prompts, EOS inside a tree, accepted candidates that are
 not the heads' argmax); one tree forward against no-cache forwards of each root-to-node path;
 the accepted path's KV entries, compacted, against a no-cache reference; spec parsing and the
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import random_params, tiny_config
-from mtp_jax import decode as decode_lib
-from mtp_jax import tree as tree_lib
+from mtp_jax.decoding import decode as decode_lib
+from mtp_jax.decoding import tree as tree_lib
 from mtp_jax.model import MTPModel, build_model, init_decode_cache
 
 PAD, EOS = 59, 60
@@ -124,7 +124,7 @@ def test_tree_forward_and_compaction_against_no_cache_reference(model):
 
 def test_tree_falls_back_to_the_chain_when_sampling(model, caplog):
   args, params = model
-  with caplog.at_level(logging.WARNING, logger="mtp_jax.decode"):
+  with caplog.at_level(logging.WARNING, logger="mtp_jax.decoding.decode"):
     r = decode_lib.decode(params, args, RAGGED[:1], tree="2,1", max_new_tokens=4, eos_id=-1,
                           pad_id=PAD, temperature=0.7)
   assert r.tree is None and r.heads == 3
@@ -136,7 +136,7 @@ def test_tree_on_sequential_heads_is_a_chain(caplog):
   m = build_model(c)
   params = random_params(m)
   kw = dict(max_new_tokens=6, eos_id=-1, pad_id=PAD)
-  with caplog.at_level(logging.WARNING, logger="mtp_jax.decode"):
+  with caplog.at_level(logging.WARNING, logger="mtp_jax.decoding.decode"):
     r = decode_lib.decode(params, m.args, [[1, 2]], tree="2,1", **kw)
   assert r.tree is None and "draft a chain" in caplog.text
   np.testing.assert_array_equal(r.tokens, decode_lib.greedy(params, m.args, [[1, 2]], **kw).tokens)

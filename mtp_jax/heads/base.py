@@ -58,7 +58,8 @@ class Shared:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeReads:
-  """What the sequential depths read while decoding, given by the decoder (mtp_jax.sampling).
+  """What the sequential depths read while decoding, given by the decoder
+  (mtp_jax.decoding.sampling).
 
   known(h1_BxSxD, depths) -> [depths, B, S] int: the token depth d reads at position s, x_{s+d},
   where the decoder knows it (the prompt; the accepted drafts and the new token of a cycle), -1

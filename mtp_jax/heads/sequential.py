@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import sampling
+from mtp_jax.decoding import sampling
 from mtp_jax.heads.base import DecodeReads, HeadKind, Shared, register
 from mtp_jax.layers import Block, RMSNorm, dense_init, remat, rms_norm
 from mtp_jax.model_args import ModelArgs

@@ -21,7 +21,7 @@ at the path's last node draft the next tree.
 
 Greedy only, parallel and projection heads. Sequential (DeepSeek-V3) depths draft a chain
 (each depth reads its predecessor's draft, one path); sampling uses the chain (a lossless
-multi-draft rule is not implemented): `mtp_jax.decode` falls back with a logged reason.
+multi-draft rule is not implemented): `mtp_jax.decoding.decode` falls back with a logged reason.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import sampling as sampling_lib
+from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.config import ModelArgs
-from mtp_jax.decode_loop import DecodeState, gain
+from mtp_jax.decoding.decode_loop import DecodeState, gain
 from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding
 
 MAX_NODES = 32  # the tree mask travels as int32 bits, one per window token

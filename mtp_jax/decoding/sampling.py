@@ -1,6 +1,6 @@
-"""Sampling for `mtp_jax.decode`: temperature, top-k and top-p (nucleus) truncation, inverse-CDF
-draws from per-row uniforms, and the acceptance rule of speculative sampling (Leviathan et al.
-2023, Algorithm 1 and Theorem 1; Chen et al. 2023, Algorithm 2).
+"""Sampling for `mtp_jax.decoding.decode`: temperature, top-k and top-p (nucleus) truncation,
+inverse-CDF draws from per-row uniforms, and the acceptance rule of speculative sampling (Leviathan
+et al. 2023, Algorithm 1 and Theorem 1; Chen et al. 2023, Algorithm 2).
 
 Randomness is per row: row b of a batch draws from jax.random.fold_in(key(seed), b), folded again
 with the position of the row's newest token, so a row's samples depend on its seed, its index in

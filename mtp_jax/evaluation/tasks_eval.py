@@ -1,6 +1,6 @@
 """Accuracy on the synthetic tasks of Gloeckle et al. 2024 §4, one unpacked example per row.
 
-    python -m mtp_jax.tasks_eval --workdir DIR [--limit N]     # prints JSON
+    python -m mtp_jax.evaluation.tasks_eval --workdir DIR [--limit N]     # prints JSON
 
 Each example is scored alone: right-padded to the split's width, segment id 1 on its tokens and
 0 on the padding, so no other example is in view (packed rows would let one leak in). A
@@ -104,7 +104,7 @@ def head1_predictor(params, args) -> Predict:
   """Head 1's argmax at every position (the other heads are sliced off, not run)."""
   import jax
   import jax.numpy as jnp
-  from mtp_jax import decode
+  from mtp_jax.decoding import decode
   from mtp_jax.model import MTPModel, logits
   params_1, args_1 = decode.slice_heads(params, args, 1)
   model = MTPModel(args_1)
@@ -143,7 +143,7 @@ def _define(fv: flags.FlagValues) -> None:
 def main(argv=None) -> int:
   """`argv` without the program name (default sys.argv[1:]); returns the exit status."""
   try:
-    fv = cli.parse(argv, _define, prog="python -m mtp_jax.tasks_eval",
+    fv = cli.parse(argv, _define, prog="python -m mtp_jax.evaluation.tasks_eval",
                            usage="\n\n".join(__doc__.split("\n\n")[:2]), required=("workdir",))
     result = evaluate_workdir(fv.workdir, batch_size=fv.batch_size, limit=fv.limit)
   except ValueError as e:

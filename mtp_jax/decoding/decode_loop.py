@@ -1,10 +1,10 @@
-"""The compiled loop of chain decoding (`mtp_jax.decode` documents the method): one jit,
+"""The compiled loop of chain decoding (`mtp_jax.decoding.decode` documents the method): one jit,
 lax.while_loop over a `DecodeState`, static shapes, per-row lengths; the greedy acceptance rule
 of a cycle (`accept_greedy`) and what a row gains (`gain`), shared with the tree loop
-(`mtp_jax.tree`).
+(`mtp_jax.decoding.tree`).
 
 `max_cycles` (traced) stops the loop after that many verification forwards whatever the rows'
-state: the same compiled program serves a short probe (`mtp_jax.costmodel`) and a full run.
+state: the same compiled program serves a short probe (`mtp_jax.decoding.costmodel`) and a full run.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax import heads
-from mtp_jax import sampling as sampling_lib
-from mtp_jax import stops as stops_lib
+from mtp_jax.decoding import sampling as sampling_lib
+from mtp_jax.decoding import stops as stops_lib
 from mtp_jax.model_args import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding
 

@@ -40,7 +40,7 @@ def main():
   a = ap.parse_args()
   loaded = load_workdir(a.workdir)
   tok = loaded.tokenizer
-  max_len = passk.model_args(loaded).max_len
+  max_len = loaded.model.args.max_len
   problems = [p for p in code_tasks.humaneval_problems()
               if len(tok.encode(p.prompt)) + a.max_new_tokens <= max_len][:a.limit]
   prompts = [tok.encode(p.prompt) for p in problems]

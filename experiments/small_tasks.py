@@ -75,15 +75,15 @@ def task_overrides(items: list[str], task: str) -> dict:
   return out
 
 
-def evaluate(workdir: str, limit: int | None) -> dict:
-  """tasks_eval.evaluate_workdir, cached in workdir/task_eval.json for this step and limit."""
+def task_scores(workdir: str, limit: int | None) -> dict:
+  """tasks_eval.score_workdir, cached in workdir/task_eval.json for this step and limit."""
   from mtp_jax.evaluation import tasks_eval
   path = os.path.join(workdir, "task_eval.json")
   step = workdir_lib.read_summary(workdir)["step"]
   cached = scaling.read_json(path)
   if cached and cached["step"] == step and cached.get("limit") == limit:
     return cached
-  result = dict(tasks_eval.evaluate_workdir(workdir, limit=limit), limit=limit)
+  result = dict(tasks_eval.score_workdir(workdir, limit=limit), limit=limit)
   with open(path, "w") as f:
     json.dump(runtime.stamp(result), f, indent=2)
   return result
@@ -117,7 +117,7 @@ def run_grid(args) -> list[dict]:
     size, n, seed = (run.name[1:].split("_n")[0], run.overrides["model.n_future"],
                      run.overrides["seed"])
     summary = workdir_lib.read_summary(workdir)
-    ev = evaluate(workdir, args.eval_limit)
+    ev = task_scores(workdir, args.eval_limit)
     records.append({"task": task, "size": size, "n_future": n, "seed": seed, "workdir": workdir,
                     "n_params": summary["n_params"], "step": summary["step"],
                     "train_seconds": summary["wall_seconds"], "eval": ev})

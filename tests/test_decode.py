@@ -64,7 +64,7 @@ def random_model(request):
 
 def both(args, params, prompts, *, k, max_new_tokens, eos_id=EOS):
   kw = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=PAD)
-  return (decode_lib.greedy(params, args, prompts, **kw),
+  return (decode_lib.plain(params, args, prompts, **kw),
           decode_lib.decode(params, args, prompts, k=k, **kw))
 
 
@@ -219,7 +219,7 @@ def test_auto_heads_follow_the_cost_model(trained, monkeypatch, tk_over_t1, want
   args, params = trained
   forced_costs(monkeypatch, tk_over_t1)
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
-  g = decode_lib.greedy(params, args, RAGGED, **kw)
+  g = decode_lib.plain(params, args, RAGGED, **kw)
   r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)
   assert_same(g, r)
   assert r.heads == want and r.auto["heads"] == want, r.auto

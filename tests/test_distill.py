@@ -58,7 +58,7 @@ def test_distill_writes_greedy_continuations_resumes_and_trains(tiny, capsys):
 
   tok = tokenizers.ByteTokenizer()
   prompts = [tok.encode(t)[:6] for t in DOCS]
-  ref = decode_lib.greedy(tiny["params"], tiny["model"].args, prompts, max_new_tokens=10,
+  ref = decode_lib.plain(tiny["params"], tiny["model"].args, prompts, max_new_tokens=10,
                           eos_id=tok.eos_id, pad_id=tok.pad_id)
   got = _records(out)
   assert len(got) == 8

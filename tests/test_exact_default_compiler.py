@@ -33,7 +33,7 @@ for kind in ("parallel", "projection", "sequential"):
     c.model.dtype, c.model.max_len = dtype, 64
     model, params = conftest.tiny_model(c, seed=3)
     kw = dict(max_new_tokens=40, eos_id=60, pad_id=59)
-    g = decode.greedy(params, model.args, prompts, **kw)
+    g = decode.plain(params, model.args, prompts, **kw)
     s = decode.decode(params, model.args, prompts, k=3, **kw)
     out["cases"].append({"kind": kind, "dtype": dtype,
                          "equal": bool(np.array_equal(g.tokens, s.tokens)

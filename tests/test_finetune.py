@@ -97,7 +97,7 @@ def test_head1_is_the_hf_model(kind, tied, ckpts, tmp_path):
   assert agree > 0.9, agree
 
   tok = loaded.tokenizer
-  ours = decode_lib.greedy(loaded.params, a, list(PROMPTS), max_new_tokens=6,
+  ours = decode_lib.plain(loaded.params, a, list(PROMPTS), max_new_tokens=6,
                            eos_id=tok.eos_id, pad_id=tok.pad_id)
   with torch.no_grad():
     ref = hf.generate(torch.from_numpy(PROMPTS).long(), max_new_tokens=6, do_sample=False,

@@ -56,7 +56,7 @@ def test_bad_tree_specs(spec, match):
 def test_tree_greedy_equals_greedy_ragged(model, spec):
   args, params = model
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
-  g = decode_lib.greedy(params, args, RAGGED, **kw)
+  g = decode_lib.plain(params, args, RAGGED, **kw)
   t = decode_lib.decode(params, args, RAGGED, tree=spec, **kw)
   np.testing.assert_array_equal(g.lengths, t.lengths)
   np.testing.assert_array_equal(g.tokens, t.tokens)
@@ -73,10 +73,10 @@ def test_tree_eos_inside_a_tree(model):
   """An EOS that head 1 emits inside an accepted path ends the row there."""
   args, params = model
   kw = dict(max_new_tokens=MAX_NEW, pad_id=PAD)
-  g = decode_lib.greedy(params, args, RAGGED, eos_id=-1, **kw)
+  g = decode_lib.plain(params, args, RAGGED, eos_id=-1, **kw)
   # Make the greedy output's 5th token of row 2 the EOS: the row must stop there.
   eos = int(g.tokens[2, 4])
-  g = decode_lib.greedy(params, args, RAGGED, eos_id=eos, **kw)
+  g = decode_lib.plain(params, args, RAGGED, eos_id=eos, **kw)
   t = decode_lib.decode(params, args, RAGGED, tree="4,2,1", eos_id=eos, **kw)
   np.testing.assert_array_equal(g.lengths, t.lengths)
   np.testing.assert_array_equal(g.tokens, t.tokens)
@@ -139,7 +139,7 @@ def test_tree_on_sequential_heads_is_a_chain(caplog):
   with caplog.at_level(logging.WARNING, logger="mtp_jax.decoding.decode"):
     r = decode_lib.decode(params, m.args, [[1, 2]], tree="2,1", **kw)
   assert r.tree is None and "draft a chain" in caplog.text
-  np.testing.assert_array_equal(r.tokens, decode_lib.greedy(params, m.args, [[1, 2]], **kw).tokens)
+  np.testing.assert_array_equal(r.tokens, decode_lib.plain(params, m.args, [[1, 2]], **kw).tokens)
 
 
 def test_tree_auto_follows_the_cost_model(model, monkeypatch):
@@ -151,7 +151,7 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   monkeypatch.setattr(decode_lib, "_CHOICES", {})
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   r = decode_lib.decode(params, args, RAGGED, k="auto", tree="auto", **kw)
-  g = decode_lib.greedy(params, args, RAGGED, **kw)
+  g = decode_lib.plain(params, args, RAGGED, **kw)
   np.testing.assert_array_equal(g.tokens, r.tokens)
   assert r.auto["probe"]["tree"] == "4,2,2" and r.tree is not None and r.tree == r.auto["tree"]
   best = max(r.auto["table"], key=lambda row: row["S_predicted"])

@@ -123,7 +123,7 @@ class Decoder:
     if tree is None:
       self._compiled = decode_chain.lower(
           self.params, i32(batch, prompt_len), i32(batch), i32(), i32(),
-          sampling_lib.Params(f32, i32(), f32), i32(), i32(), self.stops, args=self.args,
+          sampling_lib.Settings(f32, i32(), f32), i32(), i32(), self.stops, args=self.args,
           max_new_tokens=max_new_tokens, sample=sampling).compile()
     else:
       self._compiled = tree_lib.decode_tree.lower(
@@ -154,7 +154,7 @@ class Decoder:
     ids = (self.params, prompt_BxP, lens_B, np.int32(eos_id), np.int32(pad_id))
     t0 = time.perf_counter()
     if self.tree is None:
-      sp = sampling_lib.Params(np.float32(temperature), np.int32(top_k), np.float32(top_p))
+      sp = sampling_lib.Settings(np.float32(temperature), np.int32(top_k), np.float32(top_p))
       out = jax.device_get(self._compiled(*ids, sp, np.int32(seed), cap, self.stops))
     else:
       out = jax.device_get(self._compiled(*ids, cap))
@@ -283,9 +283,9 @@ def decode(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k=Non
   return result
 
 
-def greedy(params, args: ModelArgs, prompts: list, **kw) -> DecodeResult:
-  """Ordinary autoregressive decoding with head 1 only: the baseline (greedy, or plain sampling
-  with temperature > 0)."""
+def plain(params, args: ModelArgs, prompts: list, **kw) -> DecodeResult:
+  """Plain autoregressive decoding with head 1 only, the baseline: greedy at temperature 0,
+  plain sampling at temperature > 0 (no drafts: k = 1)."""
   return decode(params, args, prompts, k=1, **kw)
 
 

@@ -167,12 +167,12 @@ def decode_chain(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max
 
       def known(h1_BxKxD):
         m_B, next_B = rule(h1_BxKxD)
-        return sampling_lib.gained(s.drafts_BxK1, m_B, next_B), m_B
+        return sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B), m_B
 
       reads = chain_reads(known, W_DxV, sp, u_BxU[:, k:].T)
       h_kxBxKxD, cache = apply(window_BxK, s.pos_B[:, None] + j_K, s.cache, reads)
       m_B, next_B = rule(h_kxBxKxD[0])
-      out_BxK = sampling_lib.gained(s.drafts_BxK1, m_B, next_B)
+      out_BxK = sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B)
       acc = gain(out_BxK, m_B, s.last_B, eos_id, budget_B)
       q_BxK1xV = draft_dists(h_kxBxKxD, W_DxV, acc.drafts_B, sp)
       new_drafts_BxK1 = sampling_lib.draw(q_BxK1xV, u_BxU[:, k:])

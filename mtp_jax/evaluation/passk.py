@@ -43,11 +43,6 @@ from mtp_jax.decoding import stops as stops_lib
 PROMPT_BUCKET = 64  # prompt lengths are padded up to a multiple of this: few distinct compiles
 
 
-def model_args(loaded):
-  """The ModelArgs of a `workdir.load_workdir` result (as `.args`, or its model's `.args`)."""
-  return loaded.args if hasattr(loaded, "args") else loaded.model.args
-
-
 @dataclasses.dataclass
 class Generation:
   tokens: list  # [rows] generated ids per row (EOS included when emitted), rows in input order
@@ -73,7 +68,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
   row ends once its cut is decided (decode's in-loop matching, for the byte tokenizer): the
   completion after the cut is the same as if it had decoded max_new_tokens."""
   from mtp_jax.decoding import decode as decode_lib
-  args = model_args(loaded)
+  args = loaded.model.args
   tok = loaded.tokenizer
   k, tree = (heads, tree) if mode == "speculative" else (1, None)
   sample_kw = dict(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -116,7 +111,7 @@ def greedy_comparison(loaded, gen: Generation, max_new_tokens: int) -> dict:
   from mtp_jax.decoding import speed
   from mtp_jax.decoding import tree as tree_lib
   batch, spec, n, k, sample_kw = gen.first_batch
-  tok, args = loaded.tokenizer, model_args(loaded)
+  tok, args = loaded.tokenizer, loaded.model.args
   shape = dict(batch=len(batch), prompt_len=max(len(p) for p in batch),
                max_new_tokens=max_new_tokens, sampling=sample_kw.get("temperature", 0) > 0)
   tree = None if spec.tree is None else tree_lib.parse(spec.tree)
@@ -149,7 +144,7 @@ def run(opts: dict, out=None) -> dict:
   if opts["limit"]:
     problems = problems[:opts["limit"]]
   loaded = workdir_lib.load_workdir(opts["workdir"])
-  args, tok = model_args(loaded), loaded.tokenizer
+  args, tok = loaded.model.args, loaded.tokenizer
   prompts = []
   for p in problems:
     try:

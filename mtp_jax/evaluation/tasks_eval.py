@@ -87,8 +87,8 @@ def score_polynomial(predict: Predict, texts: list[str], *, batch_size: int = 64
           "exact_by_ops": {str(k): float(np.mean(v)) for k, v in sorted(exact_by_ops.items())}}
 
 
-def evaluate(predict: Predict, data_config, split: str, *, batch_size: int = 64,
-             limit: int | None = None) -> dict:
+def score_split(predict: Predict, data_config, split: str, *, batch_size: int = 64,
+                limit: int | None = None) -> dict:
   """The task metrics of one split of the task `data_config.corpus` names (built on first use)."""
   if data_config.corpus not in tasks.TASKS:
     raise ValueError(f"config.data.corpus: task evaluation needs one of "
@@ -118,8 +118,8 @@ def head1_predictor(params, args) -> Predict:
       predict(params_1, tokens_BxS, segment_ids_BxS))
 
 
-def evaluate_workdir(workdir: str, *, splits=None, batch_size: int = 64,
-                     limit: int | None = None) -> dict:
+def score_workdir(workdir: str, *, splits=None, batch_size: int = 64,
+                  limit: int | None = None) -> dict:
   """{"task", "step", <split>: metrics} for every evaluation split (all but train)."""
   loaded = workdir_lib.load_workdir(workdir)
   data = loaded.config.data
@@ -129,7 +129,7 @@ def evaluate_workdir(workdir: str, *, splits=None, batch_size: int = 64,
   predict = head1_predictor(loaded.params, loaded.model.args)
   out = {"task": data.corpus, "step": loaded.step}
   for split in splits or tasks.SPLITS[data.corpus][1:]:
-    out[split] = evaluate(predict, data, split, batch_size=batch_size, limit=limit)
+    out[split] = score_split(predict, data, split, batch_size=batch_size, limit=limit)
   return out
 
 
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
   try:
     fv = cli.parse(argv, _define, prog="python -m mtp_jax.evaluation.tasks_eval",
                            usage="\n\n".join(__doc__.split("\n\n")[:2]), required=("workdir",))
-    result = evaluate_workdir(fv.workdir, batch_size=fv.batch_size, limit=fv.limit)
+    result = score_workdir(fv.workdir, batch_size=fv.batch_size, limit=fv.limit)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -157,7 +157,7 @@ def known_tokens(after_BxS, last_B, depths: int) -> jax.Array:
   return jnp.stack(out).astype(jnp.int32)
 
 
-def draft_tokens(out_BxSxD, unembed_DxV, sp: sampling.Params | None, u_B=None) -> jax.Array:
+def draft_tokens(out_BxSxD, unembed_DxV, sp: sampling.Settings | None, u_B=None) -> jax.Array:
   """[B, S] drafts of one head: its argmax (sp None) or its draw with the row's uniform."""
   lg_BxSxV = sampling.head_logits(out_BxSxD, unembed_DxV)
   if sp is None:
@@ -166,7 +166,7 @@ def draft_tokens(out_BxSxD, unembed_DxV, sp: sampling.Params | None, u_B=None) -
                        jnp.broadcast_to(u_B[:, None], lg_BxSxV.shape[:2]))
 
 
-def chain_reads(known_fn, unembed_DxV, sp: sampling.Params | None, u_DxB=None,
+def chain_reads(known_fn, unembed_DxV, sp: sampling.Settings | None, u_DxB=None,
                 slots_BxN=None) -> DecodeReads:
   """What sequential depths read while decoding: known_fn(h1_BxSxD) -> (after_BxS, last_B) gives
   the known tokens (teacher forcing wherever the next tokens are known: the prompt at prefill, the

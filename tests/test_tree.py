@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import random_params, tiny_config
+from mtp_jax import heads
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.decoding import tree as tree_lib
 from mtp_jax.model import MTPModel, build_model, init_decode_cache
@@ -23,7 +24,7 @@ RAGGED = [[3], [9, 4, 12, 6, 33, 3], [5, 5, 2, 11, 0, 8, 13, 10, 2, 9, 1]]
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module", params=tree_lib.KINDS)
+@pytest.fixture(scope="module", params=heads.tree_kinds())
 def model(request):
   c = tiny_config(request.param, n_future=4)
   c.model.max_len = 64

@@ -110,7 +110,7 @@ class Decoder:
     if tree is not None:
       if tree.k != k or sampling or tree_lib.supports(args):
         raise ValueError(f"--tree: {tree.name} needs greedy decoding with {tree.k} heads of a "
-                         f"kind in {tree_lib.KINDS}")
+                         f"kind in {heads.tree_kinds()}")
     self.params, self.args = slice_heads(params, args, k)
     self.batch, self.prompt_len, self.max_new_tokens = batch, prompt_len, max_new_tokens
     # stops: a stops.Matcher (rows end once their cut at a stop sequence is decided); a tree

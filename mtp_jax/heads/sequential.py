@@ -76,6 +76,8 @@ class SequentialHeads(HeadKind):
              "seq_trunk_state": ("post_norm", "pre_norm"),
              "seq_output_norm": ("per_module", "shared")}
   preset_field = "seq_preset"
+  # DeepSeek-V3's MTP layers (model.layers.{n_trunk + k}) hold depth k.
+  checkpoint_layouts = {"deepseek": {"seq_preset": "deepseek_v3"}}
   presets = {
       # The released DeepSeek-V3 weights, Megatron, vLLM, SGLang: eh_proj([enorm(emb);
       # hnorm(h)]), h taken after the main model's final norm, `shared_head.norm` per module.

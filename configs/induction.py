@@ -2,10 +2,10 @@
 
 63-letter examples (64 tokens with eos, one example a row): lowercase filler and 6 two-letter
 names ("Xy") planted 5 times each, so 24 of the 63 next-letter predictions are copies of a
-name's second letter; `python -m mtp_jax.tasks_eval --workdir DIR` scores only those. Names this
-dense (and lr 1e-2) are what lets copying start within 1000 steps (accuracy 0.13-0.18 against
-chance 0.038 at d_model 32 and 64): with 4 names planted 3 times, 1500 steps at lr 3e-3 stayed at
-chance.
+name's second letter; `python -m mtp_jax.evaluation.tasks_eval --workdir DIR` scores only those.
+Names this dense (and lr 1e-2) are what lets copying start within 1000 steps (accuracy 0.13-0.18
+against chance 0.038 at d_model 32 and 64): with 4 names planted 3 times, 1500 steps at lr 3e-3
+stayed at chance.
 
 At 3000 steps and d_model 32 (experiments/small_tasks.py, README), n_future 2 forms induction
 (accuracy ~0.99) while n_future 1 and 4 stay near 0.19, in both seeds tried.

@@ -3,9 +3,9 @@
 The paper's ring F_7[X]/(X^5) with +, - (negation) and *; add "o" (composition, as the paper
 does) with --config.data.poly_ops=+-*o. Train on 1..5 operations, test_ood on 6..8. Accuracy
 is exact match of the answer by greedy decoding, in distribution (validation) and out of it
-(test_ood): `python -m mtp_jax.tasks_eval --workdir DIR`. Hard at CPU budgets: d_model 32 and 64
-stay at chance after 300 steps (experiments/results/small_tasks.json), so give it thousands of
-steps, or fewer operations (--config.data.poly_ops=-).
+(test_ood): `python -m mtp_jax.evaluation.tasks_eval --workdir DIR`. Hard at CPU budgets: d_model
+32 and 64 stay at chance after 300 steps (experiments/results/small_tasks.json), so give it
+thousands of steps, or fewer operations (--config.data.poly_ops=-).
 
 d_model 64, 6 blocks; n_future 4 (--config.model.n_future=4) takes 3 of them for extra heads
 (2 trunk + 4 head blocks, the same parameters).

@@ -6,7 +6,7 @@ Reads ROOT/results.csv (gathered again from the workdirs first, so it reflects r
 the sweep last wrote it); per n_future, fits head-1 eval loss ~ a * N^b against parameters and
 against compute; prints the table of (n=max minus n=1) head-1 eval loss per model size as
 markdown; writes the PNG (ROOT/scaling.png), the table (ROOT/mtp_gain.csv) and everything as
-JSON (ROOT/analysis.json). The logic is in mtp_jax/scaling.py.
+JSON (ROOT/analysis.json). The logic is in mtp_jax/sweeps/scaling.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import argparse
 import os
 import sys
 
-from mtp_jax import scaling
-from mtp_jax import sweep as sweep_lib
+from mtp_jax.sweeps import scaling
+from mtp_jax.sweeps import sweep as sweep_lib
 
 
 def main() -> int:

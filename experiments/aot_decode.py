@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import aot
-from mtp_jax import decode as decode_lib
+from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.model import MTPModel, build_model, init_decode_cache
 
 BATCHES = (1, 8)

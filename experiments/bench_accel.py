@@ -17,7 +17,7 @@ from mtp_jax.flops, the peak from its datasheet table (or a measured matmul peak
 `--batch auto` doubles or halves the size's default batch until the n=4 step's compiled peak
 memory fills at most `--fill` of the device, then uses that batch for both variants.
 
-Decode (mtp_jax.decode; the cost model S = a T1/Tk of BACKGROUND.md §5): greedy (k=1) and
+Decode (mtp_jax.decoding.decode; the cost model S = a T1/Tk of BACKGROUND.md §5): greedy (k=1) and
 speculative (k=4) on the n=4 model for batch 1 and 8, EOS ignored so the work is fixed; T1 =
 greedy seconds per forward, Tc = speculative seconds per cycle (both inside the loops), a =
 tokens per cycle, S_measured = greedy / speculative wall time, S_predicted = a_batch * T1_fwd /
@@ -48,7 +48,7 @@ import numpy as np
 
 from mtp_jax import config as config_lib
 from mtp_jax import validation
-from mtp_jax import decode as decode_lib
+from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import flops as flops_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import runtime

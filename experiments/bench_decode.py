@@ -48,10 +48,10 @@ import os
 import jax
 import numpy as np
 
-from mtp_jax import decode as decode_lib
+from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax import runtime
-from mtp_jax import speed
+from mtp_jax.decoding import speed
 from mtp_jax.data import builders, pipeline
 from mtp_jax.workdir import load_workdir
 

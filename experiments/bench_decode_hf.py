@@ -54,7 +54,7 @@ def heldout(workdir, batch, length, seed):
 def jax_side(args, variant):
   """(run(prompts) -> tokens [B, max_new], info) for our decoder `variant` (plain or chain:K /
   auto), compiled for len(prompts) rows."""
-  from mtp_jax import decode as decode_lib
+  from mtp_jax.decoding import decode as decode_lib
   from mtp_jax.workdir import load_workdir
   loaded = load_workdir(args.workdir)
   a = loaded.model.args

@@ -1,4 +1,5 @@
-"""Sandbox throughput: the 164 canonical HumanEval solutions through `mtp_jax.sandbox`, timed.
+"""Sandbox throughput: the 164 canonical HumanEval solutions through `mtp_jax.evaluation.sandbox`,
+timed.
 
     python experiments/bench_sandbox.py --workers 2 [--repeats 3] [--out FILE]
 
@@ -18,7 +19,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtp_jax import code_tasks, runtime, sandbox
+from mtp_jax import runtime
+from mtp_jax.evaluation import code_tasks, sandbox
 
 
 def main():

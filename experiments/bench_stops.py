@@ -22,7 +22,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtp_jax import code_tasks, evaluate, runtime
+from mtp_jax import runtime
+from mtp_jax.evaluation import code_tasks, passk
 from mtp_jax.generate import load_workdir
 
 
@@ -39,13 +40,13 @@ def main():
   a = ap.parse_args()
   loaded = load_workdir(a.workdir)
   tok = loaded.tokenizer
-  max_len = evaluate.model_args(loaded).max_len
+  max_len = loaded.model.args.max_len
   problems = [p for p in code_tasks.humaneval_problems()
               if len(tok.encode(p.prompt)) + a.max_new_tokens <= max_len][:a.limit]
   prompts = [tok.encode(p.prompt) for p in problems]
   runs = {}
   for name, stops in (("post_hoc", ()), ("in_loop", code_tasks.HUMANEVAL_STOPS)):
-    gen = evaluate.generate_completions(
+    gen = passk.generate_completions(
         loaded, prompts, num_samples=1, temperature=a.temperature, top_p=a.top_p, top_k=0, seed=0,
         mode=a.mode, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, stops=stops)
     runs[name] = {"tokens": [len(t) for t in gen.tokens], "seconds": gen.seconds,

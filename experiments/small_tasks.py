@@ -8,9 +8,9 @@ head blocks, so every n has the same parameter count at a size).
 
 Each run is `python -m mtp_jax.train --config configs/<task>.py --workdir
 ROOT/<task>/d<size>_n<N>_s<seed>` with the size, n_future, steps and seed as --config overrides,
-run by mtp_jax.sweep (console in the workdir's train.log; --parallel P runs at once, each on 1/P
-of the CPU cores). A finished run is skipped, an unfinished one resumes, a failed one is
-reported and the others go on. Each workdir is then scored by `mtp_jax.tasks_eval` on
+run by mtp_jax.sweeps.sweep (console in the workdir's train.log; --parallel P runs at once, each on
+1/P of the CPU cores). A finished run is skipped, an unfinished one resumes, a failed one is
+reported and the others go on. Each workdir is then scored by `mtp_jax.evaluation.tasks_eval` on
 single unpacked examples (cached in task_eval.json): induction accuracy at the recurring names,
 polynomial exact match in distribution (validation) and out of it (test_ood). Prints a markdown
 table; --json and --png write the records and one panel per task and split.
@@ -37,8 +37,8 @@ import time
 import numpy as np
 
 from mtp_jax import runtime
-from mtp_jax import scaling
-from mtp_jax import sweep as sweep_lib
+from mtp_jax.sweeps import scaling
+from mtp_jax.sweeps import sweep as sweep_lib
 from mtp_jax import workdir as workdir_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,15 +75,15 @@ def task_overrides(items: list[str], task: str) -> dict:
   return out
 
 
-def evaluate(workdir: str, limit: int | None) -> dict:
-  """tasks_eval.evaluate_workdir, cached in workdir/task_eval.json for this step and limit."""
-  from mtp_jax import tasks_eval
+def task_scores(workdir: str, limit: int | None) -> dict:
+  """tasks_eval.score_workdir, cached in workdir/task_eval.json for this step and limit."""
+  from mtp_jax.evaluation import tasks_eval
   path = os.path.join(workdir, "task_eval.json")
   step = workdir_lib.read_summary(workdir)["step"]
   cached = scaling.read_json(path)
   if cached and cached["step"] == step and cached.get("limit") == limit:
     return cached
-  result = dict(tasks_eval.evaluate_workdir(workdir, limit=limit), limit=limit)
+  result = dict(tasks_eval.score_workdir(workdir, limit=limit), limit=limit)
   with open(path, "w") as f:
     json.dump(runtime.stamp(result), f, indent=2)
   return result
@@ -102,7 +102,7 @@ def task_sweep(task: str, args) -> sweep_lib.Sweep:
 
 
 def run_grid(args) -> list[dict]:
-  """Trains each task's grid with mtp_jax.sweep (skip finished, resume, report failures,
+  """Trains each task's grid with mtp_jax.sweeps.sweep (skip finished, resume, report failures,
   --parallel runs at once), then scores every finished run: all training first, so this process
   imports jax only after its last subprocess started."""
   trained = []
@@ -117,7 +117,7 @@ def run_grid(args) -> list[dict]:
     size, n, seed = (run.name[1:].split("_n")[0], run.overrides["model.n_future"],
                      run.overrides["seed"])
     summary = workdir_lib.read_summary(workdir)
-    ev = evaluate(workdir, args.eval_limit)
+    ev = task_scores(workdir, args.eval_limit)
     records.append({"task": task, "size": size, "n_future": n, "seed": seed, "workdir": workdir,
                     "n_params": summary["n_params"], "step": summary["step"],
                     "train_seconds": summary["wall_seconds"], "eval": ev})
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=300)
   ap.add_argument("--seeds", default="0")
   ap.add_argument("--parallel", type=int, default=1,
-                  help="runs at once; on a CPU each gets 1/P of the cores (mtp_jax.sweep)")
+                  help="runs at once; on a CPU each gets 1/P of the cores (mtp_jax.sweeps.sweep)")
   ap.add_argument("--eval_limit", type=int, default=None, help="examples per split (all)")
   ap.add_argument("--override", action="append", default=[],
                   help="another --config override, [TASK:]FIELD=VALUE (e.g. data.dir=/tmp/ds)")

@@ -6,7 +6,7 @@
 Each run trains in ROOT/NAME (log: ROOT/NAME/train.log). Rerunning skips finished runs and resumes
 unfinished ones; a failed run is reported and the others go on. Writes ROOT/sweep.json and
 ROOT/results.csv; then `python experiments/analyze_sweep.py ROOT`. Exit status: 0 all runs
-finished, 1 some failed or were interrupted, 2 bad input. The logic is in mtp_jax/sweep.py.
+finished, 1 some failed or were interrupted, 2 bad input. The logic is in mtp_jax/sweeps/sweep.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtp_jax import sweep as sweep_lib
+from mtp_jax.sweeps import sweep as sweep_lib
 
 
 def main() -> int:

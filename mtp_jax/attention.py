@@ -16,7 +16,7 @@ splash, and one for a GPU mesh cudnn.
 Every kernel computes the same function. Without a cache, query s sees key t <= s of its own
 segment (positions increase along the sequence, so this is the reference's positions test);
 with a cache, query s sees cache slot t <= positions[b, s], or, given segment ids with a cache
-(a tree of drafts, `mtp_jax.tree`), the slots before the window and window slot
+(a tree of drafts, `mtp_jax.decoding.tree`), the slots before the window and window slot
 positions[b, 0] + j where bit j of segment_ids[b, s] is set. With `window` W > 0 (Mistral's
 sliding window, model.sliding_window) a query also sees only the W most recent of those keys
 (query position - key position < W, as transformers' sliding-window mask).

@@ -30,9 +30,9 @@ import numpy as np
 from absl import app, flags
 
 from mtp_jax import cli
-from mtp_jax import decode as decode_lib
-from mtp_jax import sampling as sampling_lib
-from mtp_jax import speed
+from mtp_jax.decoding import decode as decode_lib
+from mtp_jax.decoding import sampling as sampling_lib
+from mtp_jax.decoding import speed
 from mtp_jax.workdir import Loaded, load_workdir  # noqa: F401  (generate.load_workdir)
 
 

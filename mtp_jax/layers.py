@@ -126,7 +126,7 @@ class Attention(nn.Module):
   segment (packed documents never attend to each other). With a cache, the new keys are written
   at `positions` and query t sees cache slots s <= t: stale slots past a row's length are never
   read before being overwritten, which is what makes rollback-by-length decoding exact. With a
-  cache and segment ids, the window is a tree of drafts (`mtp_jax.tree`): written at slots
+  cache and segment ids, the window is a tree of drafts (`mtp_jax.decoding.tree`): written at slots
   positions[:, 0] + s, each query seeing the slots before them and the window tokens its
   segment id's bits name.
   The kernel is `args.attention_impl` (mtp_jax.attention: einsum, cpu, xla, cudnn, splash, auto).

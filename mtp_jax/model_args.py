@@ -17,6 +17,11 @@ def padded_vocab(vocab_size: int, vocab_multiple: int) -> int:
   return -(-int(vocab_size) // int(vocab_multiple)) * int(vocab_multiple)
 
 
+# The default head kind's name: the one place outside mtp_jax/heads/ that names a kind (JAX-free,
+# so the config can default to it without loading the registry; validation checks it is there).
+DEFAULT_HEAD_KIND = "parallel"
+
+
 def _heads(default):
   """A field of config.model.heads (a head kind's own field; the kind checks its values)."""
   return dataclasses.field(default=default, metadata={"heads": True})
@@ -63,7 +68,7 @@ class ModelArgs:
   rope_beta_fast: float = 32.0  # yarn
   rope_beta_slow: float = 1.0  # yarn
   rope_attention_factor: float = 0.0  # yarn: 0 = 0.1 ln(rope_factor) + 1
-  head_kind: str = _heads("parallel")  # config.model.heads.kind: a name in heads.KINDS
+  head_kind: str = _heads(DEFAULT_HEAD_KIND)  # config.model.heads.kind: a name in heads.KINDS
   # Parallel head blocks: "vmap" runs them side by side (fast on small models); "scan" runs one
   # at a time, so only one head's activations are alive (what large models need: plan_memory).
   parallel_stack: str = _heads("vmap")

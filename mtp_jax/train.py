@@ -84,7 +84,7 @@ def check_inputs(config: ml_collections.ConfigDict, workdir: str | None):
                      f"{config.model.vocab_size}")
 
 
-def evaluate(eval_step, params, config, batch_sharding) -> dict:
+def validation_metrics(eval_step, params, config, batch_sharding) -> dict:
   """Token-weighted mean of per-head loss / accuracy / agreement over the first
   `train.eval_batches` validation batches (the same ones every time)."""
   it = pipeline.make_iterator(config, "validation", repeat=False)
@@ -186,7 +186,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
           t_first = time.time()  # excludes the first step's compile from tokens/s
         done = step + 1
         if done % config.train.eval_every == 0 or done == end:
-          ev = evaluate(eval_step, state.params, config, batch_sh)
+          ev = validation_metrics(eval_step, state.params, config, batch_sh)
           if ev:
             writer.write(done, "eval", ev)
         if done % config.train.checkpoint_every == 0 or done == end or stop.signum:

@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtp_jax import config as config_lib  # noqa: E402
-from mtp_jax import decode as decode_lib  # noqa: E402
+from mtp_jax.decoding import decode as decode_lib  # noqa: E402
 from mtp_jax import loss as loss_lib  # noqa: E402
 from mtp_jax import optimizer as optim_lib  # noqa: E402
 from mtp_jax import sharding as shard_lib  # noqa: E402

@@ -1,13 +1,13 @@
-"""The cost model behind heads="auto" / tree="auto" (mtp_jax.costmodel), by hand: the depth a
-candidate would reach on a probe's cycles, the slowest row's predicted a, and the choice."""
+"""The cost model behind heads="auto" / tree="auto" (mtp_jax.decoding.costmodel), by hand: the
+depth a candidate would reach on a probe's cycles, the slowest row's predicted a, and the choice."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mtp_jax import costmodel
-from mtp_jax.tree import Tree, parse
+from mtp_jax.decoding import costmodel
+from mtp_jax.decoding.tree import Tree, parse
 
 
 def test_reached_depth_by_hand():

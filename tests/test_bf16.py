@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp_jax import decode as decode_lib
+from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as train_lib
@@ -107,7 +107,7 @@ def test_speculative_equals_greedy_in_bfloat16(make_config, make_model, kind):
   rng = np.random.default_rng(2)
   prompts = [list(rng.integers(0, 59, n)) for n in (3, 1, 9, 5)]
   kw = dict(max_new_tokens=40, eos_id=EOS, pad_id=PAD)
-  greedy = decode_lib.greedy(params, model.args, prompts, **kw)
+  greedy = decode_lib.plain(params, model.args, prompts, **kw)
   spec = decode_lib.decode(params, model.args, prompts, k=3, **kw)
   np.testing.assert_array_equal(spec.tokens, greedy.tokens)
   np.testing.assert_array_equal(spec.lengths, greedy.lengths)

@@ -148,7 +148,7 @@ def test_require_skips_locally_and_fails_under_ci(monkeypatch):
 # one after another in one process (runpy, as `python -m` / `python script.py` would): three
 # processes in all, started at once.
 _MODULES = ["mtp_jax.train", "mtp_jax.generate"]
-_IN_ONE = ([("module", "mtp_jax.data.prepare", []), ("module", "mtp_jax.tasks_eval", []),
+_IN_ONE = ([("module", "mtp_jax.data.prepare", []), ("module", "mtp_jax.evaluation.tasks_eval", []),
             ("module", "mtp_jax.data.distill", [])]
            + [("module", "mtp_jax.convert", [sub]) for sub in (
                "", "meta", "deepseek", "from-hf", "to-hf", "to-meta", "to-deepseek")]

@@ -21,7 +21,7 @@ tokenizers_lib = require("tokenizers")
 
 from mtp_jax import config as config_lib  # noqa: E402
 from mtp_jax import convert, generate  # noqa: E402
-from mtp_jax import decode as decode_lib  # noqa: E402
+from mtp_jax.decoding import decode as decode_lib  # noqa: E402
 from mtp_jax.data import tokenizers  # noqa: E402
 from mtp_jax.model import logits  # noqa: E402
 
@@ -115,7 +115,7 @@ def test_head1_and_generate_equal_transformers(imported):
   assert list(generate.encode_prompts(tok, ["def add(a"])[0]) == list(prompts[0])  # bos as HF
   n = min(len(p) for p in prompts)
   prompts_BxP = np.stack([p[:n] for p in prompts])
-  ours = decode_lib.greedy(loaded.params, a, list(prompts_BxP), max_new_tokens=10,
+  ours = decode_lib.plain(loaded.params, a, list(prompts_BxP), max_new_tokens=10,
                            eos_id=tok.eos_id, pad_id=tok.pad_id)
   with torch.no_grad():
     ref = hf.generate(torch.from_numpy(prompts_BxP).long(), max_new_tokens=10, do_sample=False,

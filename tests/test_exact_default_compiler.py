@@ -28,7 +28,7 @@ import conftest  # MTP_JAX_TEST_FAST_COMPILE=0: leaves XLA_FLAGS alone
 flags = os.environ.get("XLA_FLAGS", "")
 assert "optimization_level" not in flags and "fusion_emitters" not in flags, flags
 import numpy as np
-from mtp_jax import decode
+from mtp_jax.decoding import decode
 out = {"xla_flags": flags, "cases": []}
 CASES = json.loads(sys.argv[2])
 rng = np.random.default_rng(2)
@@ -38,7 +38,7 @@ for kind, dtype in CASES:
   c.model.dtype, c.model.max_len = dtype, 64
   model, params = conftest.tiny_model(c, seed=3)
   kw = dict(max_new_tokens=40, eos_id=60, pad_id=59)
-  g = decode.greedy(params, model.args, prompts, **kw)
+  g = decode.plain(params, model.args, prompts, **kw)
   s = decode.decode(params, model.args, prompts, k=3, **kw)
   out["cases"].append({"kind": kind, "dtype": dtype,
                        "equal": bool(np.array_equal(g.tokens, s.tokens)

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from mtp_jax import config as config_lib  # noqa: E402
 from mtp_jax import validation  # noqa: E402
 from mtp_jax import convert, generate, train  # noqa: E402
-from mtp_jax import decode as decode_lib  # noqa: E402
+from mtp_jax.decoding import decode as decode_lib  # noqa: E402
 from mtp_jax import loss as loss_lib  # noqa: E402
 from mtp_jax import optimizer as optim_lib  # noqa: E402
 from mtp_jax.data import pipeline  # noqa: E402
@@ -97,7 +97,7 @@ def test_head1_is_the_hf_model(kind, tied, ckpts, tmp_path):
   assert agree > 0.9, agree
 
   tok = loaded.tokenizer
-  ours = decode_lib.greedy(loaded.params, a, list(PROMPTS), max_new_tokens=6,
+  ours = decode_lib.plain(loaded.params, a, list(PROMPTS), max_new_tokens=6,
                            eos_id=tok.eos_id, pad_id=tok.pad_id)
   with torch.no_grad():
     ref = hf.generate(torch.from_numpy(PROMPTS).long(), max_new_tokens=6, do_sample=False,

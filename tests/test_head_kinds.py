@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from mtp_jax import validation
-from mtp_jax import decode as decode_lib
+from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import flops as flops_lib
 from mtp_jax import heads
 from mtp_jax.layers import rms_norm
@@ -94,7 +94,7 @@ def test_new_kind_in_one_class_trains_and_decodes(bias_kind, make_config):
 
   kw = dict(max_new_tokens=12, eos_id=-1, pad_id=0)
   prompts = [[3, 7], [9], [6, 10, 3, 7, 1]]
-  g = decode_lib.greedy(params, model.args, prompts, **kw)
+  g = decode_lib.plain(params, model.args, prompts, **kw)
   for k in (2, 3):
     s = decode_lib.decode(params, model.args, prompts, k=k, **kw)
     np.testing.assert_array_equal(s.tokens, g.tokens)

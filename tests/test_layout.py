@@ -1,6 +1,7 @@
 """The layout the code promises: no import cycle inside mtp_jax, counting imports
-inside functions too (a local import only defers a cycle), and no module over 400 lines. Read
-from the source with `ast`; nothing is imported."""
+inside functions too (a local import only defers a cycle), no module over 400 lines, and no
+module outside mtp_jax/heads/ naming a head kind. Read from the source with `ast`; nothing is
+imported."""
 
 from __future__ import annotations
 
@@ -144,6 +145,63 @@ def test_no_file_over_400_lines():
           if n > MAX_LINES:
             long.append(f"{os.path.relpath(path, ROOT)} ({n} lines)")
   assert not long, f"over {MAX_LINES} lines: " + ", ".join(long)
+
+
+def kind_names(heads_dir: str) -> set[str]:
+  """The names under which mtp_jax/heads/*.py register head kinds: `@register("name")`."""
+  names = set()
+  for name in os.listdir(heads_dir):
+    if name.endswith(".py"):
+      with open(os.path.join(heads_dir, name), encoding="utf-8") as f:
+        for node in ast.walk(ast.parse(f.read())):
+          if (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "register"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            names.add(node.args[0].value)
+  return names
+
+
+def kind_name_uses(root: str, package: str, kinds: set[str]) -> list[str]:
+  """'path:line "name"' for every string constant equal to a kind's name in the package's
+  modules outside its heads/ (a docstring or a longer string that mentions a kind is fine)."""
+  found = []
+  for path in sorted(module_names(root, package).values()):
+    rel = os.path.relpath(path, root)
+    if rel.split(os.sep)[:2] == [package, "heads"]:
+      continue
+    with open(path, encoding="utf-8") as f:
+      tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Constant) and node.value in kinds:
+        found.append(f"{rel}:{node.lineno} {node.value!r}")
+  return found
+
+
+# The one default kind name (JAX-free, so config.py need not load the registry), and a sweep
+# file's `parallel` (runs at once), which is no head kind.
+KIND_NAME_ALLOWED = {"mtp_jax/model_args.py": 1, "mtp_jax/sweeps/sweep.py": 1}
+
+
+def test_no_module_outside_heads_names_a_kind():
+  kinds = kind_names(os.path.join(ROOT, "mtp_jax", "heads"))
+  assert kinds == {"parallel", "projection", "sequential"}, kinds  # the finder sees them all
+  uses = kind_name_uses(ROOT, "mtp_jax", kinds)
+  per_file = {}
+  for use in uses:
+    per_file.setdefault(use.split(":")[0], []).append(use)
+  wrong = [u for f, us in per_file.items() if len(us) > KIND_NAME_ALLOWED.get(f, 0) for u in us]
+  assert not wrong, ("modules outside mtp_jax/heads/ name a head kind (ask the HeadKind "
+                     "registry instead): " + ", ".join(wrong))
+
+
+def test_kind_name_finder(tmp_path):
+  pkg = tmp_path / "pkg"
+  (pkg / "heads").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "heads" / "__init__.py").write_text('KIND = "alpha"\n')  # inside heads/: fine
+  (pkg / "a.py").write_text('"""alpha heads, documented."""\nX = f"{1} alpha"\n')
+  assert kind_name_uses(str(tmp_path), "pkg", {"alpha"}) == []
+  (pkg / "b.py").write_text('def f(k):\n  return k == "alpha"\n')
+  assert kind_name_uses(str(tmp_path), "pkg", {"alpha"}) == [f"pkg{os.sep}b.py:2 'alpha'"]
 
 
 def test_config_imports_no_jax():

@@ -9,7 +9,7 @@ import pytest
 from conftest import copy_code_corpus
 
 from mtp_jax import config as config_lib
-from mtp_jax import scaling
+from mtp_jax.sweeps import scaling
 from mtp_jax.data import builders
 
 

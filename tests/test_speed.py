@@ -1,5 +1,5 @@
-"""Speed-ups that mean what they say (mtp_jax.speed): a warm-up per mode, >= 3 interleaved timed
-calls, a median ratio with a noise band, "about the same" inside it; the demo report reads the
+"""Speed-ups that mean what they say (mtp_jax.decoding.speed): a warm-up per mode, >= 3 interleaved
+timed calls, a median ratio with a noise band, "about the same" inside it; the demo report reads the
 verdict from bench_decode's records."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mtp_jax import speed
+from mtp_jax.decoding import speed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "experiments"))

@@ -1,6 +1,6 @@
-"""Stop sequences inside the decode loop (mtp_jax.stops): the automaton on hand-worked cases, the
-in-loop cut equal to code_tasks.truncate's post-hoc cut on random texts, and decode rows that
-stop early with the same completions as full-length decoding."""
+"""Stop sequences inside the decode loop (mtp_jax.decoding.stops): the automaton on hand-worked
+cases, the in-loop cut equal to code_tasks.truncate's post-hoc cut on random texts, and decode rows
+that stop early with the same completions as full-length decoding."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp_jax import code_tasks
-from mtp_jax import stops
+from mtp_jax.evaluation import code_tasks
+from mtp_jax.decoding import stops
 from mtp_jax.data.tokenizers import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -110,7 +110,7 @@ def byte_model(make_config, make_model):
 
 @pytest.mark.parametrize("k, temperature", [(1, 0.0), (2, 0.0), (2, 1.0)])
 def test_decode_stops_rows_early_with_the_same_cut(byte_model, k, temperature):
-  from mtp_jax import decode
+  from mtp_jax.decoding import decode
   args, params = byte_model
   prompts = [TOK.encode(t) for t in ("def f(x):\n", "class A:\n", "x = [", "# a\n")]
   kw = dict(max_new_tokens=40, k=k, eos_id=TOK.eos_id, pad_id=TOK.pad_id,

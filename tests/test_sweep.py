@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from conftest import copy_code_corpus
 
-from mtp_jax import scaling
-from mtp_jax import sweep as sweep_lib
+from mtp_jax.sweeps import scaling
+from mtp_jax.sweeps import sweep as sweep_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MICRO = os.path.join(ROOT, "experiments", "sweeps", "micro.py")
@@ -132,7 +132,7 @@ def test_rerun_skips_finished_runs(micro, corpus):
 
 def test_sweep_modules_import_no_jax():
   """A rerun that skips everything costs no jax start-up."""
-  code = ("import sys, mtp_jax.sweep, mtp_jax.scheduler, mtp_jax.scaling; "
+  code = ("import sys, mtp_jax.sweeps.sweep, mtp_jax.sweeps.scheduler, mtp_jax.sweeps.scaling; "
           "print(sorted(m for m in ('jax', 'tensorflow_datasets') if m in sys.modules))")
   p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                      env=dict(os.environ, PYTHONPATH=ROOT))
@@ -241,7 +241,7 @@ def test_scheduler_gates_pins_and_forwards_sigterm(tmp_path):
   import re
   import signal
   import threading
-  from mtp_jax import scheduler
+  from mtp_jax.sweeps import scheduler
   cpus = len(os.sched_getaffinity(0))
   script = ("import os, sys, time; time.sleep(float(sys.argv[1])); "
             "print('ready', sorted(os.sched_getaffinity(0)), flush=True); "

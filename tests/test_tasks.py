@@ -11,7 +11,7 @@ import pytest
 
 from mtp_jax import config as config_lib
 from mtp_jax import validation
-from mtp_jax import tasks_eval
+from mtp_jax.evaluation import tasks_eval
 from mtp_jax.data import builders
 from mtp_jax.data import config_checks
 from mtp_jax.data import pipeline
@@ -222,9 +222,9 @@ def _copier(tokens_BxS, segment_ids_BxS):
 def test_evaluator_induction(data_dir):
   c = _config("induction", data_dir)
   for batch_size in (7, 64):
-    assert tasks_eval.evaluate(_oracle, c.data, "validation", batch_size=batch_size) == {
+    assert tasks_eval.score_split(_oracle, c.data, "validation", batch_size=batch_size) == {
         "acc": 1.0, "first_acc": 1.0, "examples": 60, "positions": 180}
-  copied = tasks_eval.evaluate(_copier, c.data, "validation")
+  copied = tasks_eval.score_split(_copier, c.data, "validation")
   assert copied["acc"] == 1.0 and copied["first_acc"] < 0.3
   second = [t[i + 1] for t in _texts(c, "validation")
             for i in np.flatnonzero(tasks.induction_targets(t)[1])]
@@ -233,7 +233,7 @@ def test_evaluator_induction(data_dir):
 
 def test_evaluator_polynomial(data_dir):
   c = _config("polynomial", data_dir)
-  result = tasks_eval.evaluate(_oracle, c.data, "test_ood", batch_size=16)
+  result = tasks_eval.score_split(_oracle, c.data, "test_ood", batch_size=16)
   assert result["exact"] == result["token_acc"] == 1.0 and result["examples"] == 60
   assert set(result["exact_by_ops"]) == {"4", "5"}
 
@@ -243,14 +243,14 @@ def test_evaluator_polynomial(data_dir):
     pred_BxS[np.arange(len(ends_B)), np.maximum(ends_B - 2, 0)] = ord("x")
     return pred_BxS
 
-  wrong = tasks_eval.evaluate(last_digit_wrong, c.data, "validation", limit=20)
+  wrong = tasks_eval.score_split(last_digit_wrong, c.data, "validation", limit=20)
   assert wrong["exact"] == 0.0 and wrong["token_acc"] == pytest.approx(0.8)
   assert wrong["examples"] == 20
 
 
 def test_head1_predictor_matches_greedy_decoding(make_model, make_config):
   """The evaluator's padded, segment-masked forward gives the token greedy decoding gives."""
-  from mtp_jax import decode
+  from mtp_jax.decoding import decode
   c = make_config("parallel", 2)
   c.model.vocab_size = 259
   model, params = make_model(c)
@@ -262,14 +262,14 @@ def test_head1_predictor_matches_greedy_decoding(make_model, make_config):
   for b, x in enumerate(ids):
     tokens_BxS[b, :len(x)], segment_ids_BxS[b, :len(x)] = x, 1
   pred_BxS = predict(tokens_BxS, segment_ids_BxS)
-  greedy = decode.greedy(params, model.args, ids, max_new_tokens=1, eos_id=BYTE.eos_id,
+  greedy = decode.plain(params, model.args, ids, max_new_tokens=1, eos_id=BYTE.eos_id,
                          pad_id=BYTE.pad_id)
   assert [pred_BxS[b, len(x) - 1] for b, x in enumerate(ids)] == greedy.tokens[:, 0].tolist()
 
 
 def test_small_tasks_script_end_to_end(data_dir, tmp_path):
-  """experiments/small_tasks.py on a 2-run grid of 3 steps: trains through mtp_jax.sweep, scores
-  every run, writes the table, JSON and PNG; a rerun trains nothing."""
+  """experiments/small_tasks.py on a 2-run grid of 3 steps: trains through mtp_jax.sweeps.sweep,
+  scores every run, writes the table, JSON and PNG; a rerun trains nothing."""
   import json
   import os
   import subprocess

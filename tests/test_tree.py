@@ -1,4 +1,4 @@
-"""Tree drafts (mtp_jax.tree): greedy tree decoding equals greedy decoding token for token
+"""Tree drafts (mtp_jax.decoding.tree): greedy tree decoding equals greedy decoding token for token
 (parallel and projection heads, ragged prompts, EOS inside a tree, accepted candidates that are
 not the heads' argmax); one tree forward against no-cache forwards of each root-to-node path;
 the accepted path's KV entries, compacted, against a no-cache reference; spec parsing and the
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from conftest import random_params, tiny_config
-from mtp_jax import decode as decode_lib
-from mtp_jax import tree as tree_lib
+from mtp_jax import heads
+from mtp_jax.decoding import decode as decode_lib
+from mtp_jax.decoding import tree as tree_lib
 from mtp_jax.model import MTPModel, build_model, init_decode_cache
 
 PAD, EOS = 59, 60
@@ -23,7 +24,7 @@ RAGGED = [[3], [9, 4, 12, 6, 33, 3], [5, 5, 2, 11, 0, 8, 13, 10, 2, 9, 1]]
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module", params=tree_lib.KINDS)
+@pytest.fixture(scope="module", params=heads.tree_kinds())
 def model(request):
   c = tiny_config(request.param, n_future=4)
   c.model.max_len = 64
@@ -56,7 +57,7 @@ def test_bad_tree_specs(spec, match):
 def test_tree_greedy_equals_greedy_ragged(model, spec):
   args, params = model
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
-  g = decode_lib.greedy(params, args, RAGGED, **kw)
+  g = decode_lib.plain(params, args, RAGGED, **kw)
   t = decode_lib.decode(params, args, RAGGED, tree=spec, **kw)
   np.testing.assert_array_equal(g.lengths, t.lengths)
   np.testing.assert_array_equal(g.tokens, t.tokens)
@@ -73,10 +74,10 @@ def test_tree_eos_inside_a_tree(model):
   """An EOS that head 1 emits inside an accepted path ends the row there."""
   args, params = model
   kw = dict(max_new_tokens=MAX_NEW, pad_id=PAD)
-  g = decode_lib.greedy(params, args, RAGGED, eos_id=-1, **kw)
+  g = decode_lib.plain(params, args, RAGGED, eos_id=-1, **kw)
   # Make the greedy output's 5th token of row 2 the EOS: the row must stop there.
   eos = int(g.tokens[2, 4])
-  g = decode_lib.greedy(params, args, RAGGED, eos_id=eos, **kw)
+  g = decode_lib.plain(params, args, RAGGED, eos_id=eos, **kw)
   t = decode_lib.decode(params, args, RAGGED, tree="4,2,1", eos_id=eos, **kw)
   np.testing.assert_array_equal(g.lengths, t.lengths)
   np.testing.assert_array_equal(g.tokens, t.tokens)
@@ -124,7 +125,7 @@ def test_tree_forward_and_compaction_against_no_cache_reference(model):
 
 def test_tree_falls_back_to_the_chain_when_sampling(model, caplog):
   args, params = model
-  with caplog.at_level(logging.WARNING, logger="mtp_jax.decode"):
+  with caplog.at_level(logging.WARNING, logger="mtp_jax.decoding.decode"):
     r = decode_lib.decode(params, args, RAGGED[:1], tree="2,1", max_new_tokens=4, eos_id=-1,
                           pad_id=PAD, temperature=0.7)
   assert r.tree is None and r.heads == 3
@@ -136,10 +137,10 @@ def test_tree_on_sequential_heads_is_a_chain(caplog):
   m = build_model(c)
   params = random_params(m)
   kw = dict(max_new_tokens=6, eos_id=-1, pad_id=PAD)
-  with caplog.at_level(logging.WARNING, logger="mtp_jax.decode"):
+  with caplog.at_level(logging.WARNING, logger="mtp_jax.decoding.decode"):
     r = decode_lib.decode(params, m.args, [[1, 2]], tree="2,1", **kw)
   assert r.tree is None and "draft a chain" in caplog.text
-  np.testing.assert_array_equal(r.tokens, decode_lib.greedy(params, m.args, [[1, 2]], **kw).tokens)
+  np.testing.assert_array_equal(r.tokens, decode_lib.plain(params, m.args, [[1, 2]], **kw).tokens)
 
 
 def test_tree_auto_follows_the_cost_model(model, monkeypatch):
@@ -151,7 +152,7 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   monkeypatch.setattr(decode_lib, "_CHOICES", {})
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   r = decode_lib.decode(params, args, RAGGED, k="auto", tree="auto", **kw)
-  g = decode_lib.greedy(params, args, RAGGED, **kw)
+  g = decode_lib.plain(params, args, RAGGED, **kw)
   np.testing.assert_array_equal(g.tokens, r.tokens)
   assert r.auto["probe"]["tree"] == "4,2,2" and r.tree is not None and r.tree == r.auto["tree"]
   best = max(r.auto["table"], key=lambda row: row["S_predicted"])

@@ -17,7 +17,7 @@ from flax import traverse_util
 
 from mtp_jax import config as config_lib
 from mtp_jax import convert
-from mtp_jax import decode as decode_lib
+from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import generate
 from mtp_jax import loss as loss_lib
 from mtp_jax.model import build_model, init_params, mask_pad_logits, unembedding

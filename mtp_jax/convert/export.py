@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
+from mtp_jax import heads
 from mtp_jax.convert.layouts import Entry, deepseek_entries, meta_entries, to_torch, unpad
 from mtp_jax.data import tokenizers
 
@@ -84,9 +85,10 @@ def export_meta(workdir: str, out: str) -> dict:
   import torch
   loaded, flat = _load(workdir)
   a = loaded.model.args
-  if a.head_kind != "parallel":
+  meta, deepseek = heads.layout_kind("meta").kind, heads.layout_kind("deepseek").kind
+  if a.head_kind != meta:
     raise ValueError(f"--workdir: {workdir!r} has {a.head_kind} heads; to-meta writes Meta's "
-                     "layout of parallel heads (use to-deepseek for sequential heads, to-hf for "
+                     f"layout of {meta} heads (use to-deepseek for {deepseek} heads, to-hf for "
                      "the trunk + head 1 of any kind)")
   tensors = {}
   for e in meta_entries(a):
@@ -113,15 +115,17 @@ def export_deepseek(workdir: str, out: str) -> dict:
   from mtp_jax.convert.workdir import write_hf_folder
   loaded, flat = _load(workdir)
   a = loaded.model.args
-  layout = dict(seq_concat="emb_first", seq_trunk_state="post_norm",
-                seq_output_norm="per_module")
-  if a.head_kind != "sequential" or any(getattr(a, k) != v for k, v in layout.items()):
-    got = a.head_kind if a.head_kind != "sequential" else "sequential heads with " + ", ".join(
+  kind = heads.layout_kind("deepseek")
+  layout = kind.layout_fields("deepseek")
+  if a.head_kind != kind.kind or any(getattr(a, k) != v for k, v in layout.items()):
+    got = a.head_kind if a.head_kind != kind.kind else f"{kind.kind} heads with " + ", ".join(
         f"{k} {getattr(a, k)!r}" for k in layout)
+    needs = ", ".join(f"model.heads.{k} {v!r}"
+                      for k, v in kind.checkpoint_layouts["deepseek"].items())
     raise ValueError(f"--workdir: {workdir!r} has {got}; to-deepseek writes DeepSeek-V3's MTP "
-                     "layers (model.heads.seq_preset 'deepseek_v3': " + ", ".join(
-                         f"{k} {v!r}" for k, v in layout.items()) + "); use to-meta for "
-                     "parallel heads, to-hf for the trunk + head 1 of any kind")
+                     f"layers ({needs}: " + ", ".join(f"{k} {v!r}" for k, v in layout.items())
+                     + f"); use to-meta for {heads.layout_kind('meta').kind} heads, to-hf for "
+                     "the trunk + head 1 of any kind")
   tensors = {e.src: to_torch(_ours(flat, e), e) for e in deepseek_entries(a)}
   embed = tensors["model.embed_tokens.weight"]
   head = embed if a.tie_embeddings else tensors["lm_head.weight"]

@@ -161,13 +161,21 @@ def import_meta(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 0,
   m.n_future = int(p.get("n_future_tokens", 1))
   m.max_len = max_len or int(p.get("max_seq_len", 4096))
   m.tie_embeddings = False
-  m.heads.kind = "parallel"
+  set_layout_heads(m, "meta")
   prepare_config(c, tokenizer_path(ckpt, tokenizer), ckpt)
   args, shapes = param_shapes(c)
   entries = meta_entries(args)
   check_tensors(source, entries, shapes, ckpt, "Meta", optional=("rope.freqs",))
   write_workdir(out, c, read_params(source, entries, shapes, jnp.dtype(dtype)))
   return c
+
+
+def set_layout_heads(m: ml_collections.ConfigDict, layout: str) -> None:
+  """config.model `m` gets the head kind (and its fields) of a released layout's heads."""
+  kind = heads_lib.layout_kind(layout)
+  m.heads.kind = kind.kind
+  for field, value in kind.checkpoint_layouts[layout].items():
+    m.heads[field] = value
 
 
 def import_deepseek(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 0,
@@ -190,7 +198,7 @@ def import_deepseek(ckpt: str, out: str, *, tokenizer: str = "", max_len: int = 
   m = c.model
   m.n_future = 1 + int(hf.get("num_nextn_predict_layers") or 0)
   m.max_len = max_len or int(hf.get("max_position_embeddings", 4096))
-  m.heads.kind, m.heads.seq_preset = "sequential", "deepseek_v3"
+  set_layout_heads(m, "deepseek")
   prepare_config(c, tokenizer_path(ckpt, tokenizer), ckpt)
   args, shapes = param_shapes(c)
   entries = deepseek_entries(args)

@@ -34,8 +34,8 @@ import time
 import numpy as np
 
 from mtp_jax import cli
-from mtp_jax import decode as decode_lib
-from mtp_jax import sampling as sampling_lib
+from mtp_jax.decoding import decode as decode_lib
+from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.data import corpora
 from mtp_jax.data.sources import open_source
 

@@ -11,7 +11,7 @@
 
 Examples are ASCII, one byte-tokenizer token per character (`data.tokenizer` must be "byte"), so
 a character index is a token position. Records are {"text", "path"} like the file corpora, so
-the pipeline trains on them unchanged; the evaluator (mtp_jax/tasks_eval.py) reads single
+the pipeline trains on them unchanged; the evaluator (mtp_jax/evaluation/tasks_eval.py) reads single
 examples. Each split has its own seed ([data.task_seed, split, task]); validation is an
 independent draw from the train distribution (so it may share short expressions with train).
 Builds go to `data.dir/<task>/<name>/1.0.0/`, the name a hash of every field that decides the

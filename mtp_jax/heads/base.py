@@ -58,7 +58,8 @@ class Shared:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeReads:
-  """What the sequential depths read while decoding, given by the decoder (mtp_jax.sampling).
+  """What the sequential depths read while decoding, given by the decoder
+  (mtp_jax.decoding.sampling).
 
   known(h1_BxSxD, depths) -> [depths, B, S] int: the token depth d reads at position s, x_{s+d},
   where the decoder knows it (the prompt; the accepted drafts and the new token of a cycle), -1
@@ -83,6 +84,11 @@ class HeadKind(nn.Module):
     preset_field, presets: an optional field naming a preset, and {preset: {field: value}};
       `validation.expand_presets` sets its fields (validate checks that a field set by hand
       agrees with the preset or is at its default).
+    drafts_tree: whether its heads 2..k can draft a tree of candidates (each reads only the
+      trunk state, so every node of a depth chooses among the same candidates); False: a chain.
+    checkpoint_layouts: {released layout ("meta", "deepseek"): {field of config.model.heads:
+      value}}: the layouts whose heads this kind holds, and the fields (a preset, or fields one
+      by one) a model needs to hold them. The converters ask `layout_kind`.
   """
   args: ModelArgs
 
@@ -92,6 +98,17 @@ class HeadKind(nn.Module):
   choices = {}
   preset_field = ""
   presets = {}
+  drafts_tree = False
+  checkpoint_layouts = {}
+
+  @classmethod
+  def layout_fields(cls, layout: str) -> dict:
+    """The config.model.heads fields (a preset expanded) a model of this kind needs to hold
+    `layout`'s heads."""
+    out = {}
+    for field, value in cls.checkpoint_layouts[layout].items():
+      out.update(cls.presets[value] if field == cls.preset_field else {field: value})
+    return out
 
   @classmethod
   def n_trunk(cls, m) -> int:
@@ -157,6 +174,19 @@ class HeadKind(nn.Module):
     tokens."""
     del known_fn, unembed_DxV, sp, u_DxB, slots_BxN
     return None
+
+
+def layout_kind(layout: str) -> type[HeadKind]:
+  """The kind whose heads a released checkpoint layout ("meta", "deepseek") holds."""
+  found = [kind for kind in KINDS.values() if layout in kind.checkpoint_layouts]
+  if len(found) != 1:
+    raise ValueError(f"checkpoint layout {layout!r}: held by {len(found)} head kinds, not one")
+  return found[0]
+
+
+def tree_kinds() -> tuple[str, ...]:
+  """The kinds whose heads draft trees (`HeadKind.drafts_tree`), in registration order."""
+  return tuple(name for name, kind in KINDS.items() if kind.drafts_tree)
 
 
 def slice_params(params, kind: type[HeadKind], k: int):

@@ -18,6 +18,8 @@ class ParallelHeads(HeadKind):
   stacks = {"blocks": 1}
   # "vmap" runs the head blocks side by side; "scan" one at a time (same params).
   choices = {"parallel_stack": ("vmap", "scan")}
+  drafts_tree = True
+  checkpoint_layouts = {"meta": {}}  # Meta's multi-token-prediction release: extra_heads
 
   @classmethod
   def n_trunk(cls, m) -> int:

@@ -29,6 +29,7 @@ class ProjectionHeads(HeadKind):
   """Head 1 is the trunk itself; heads 2..n are residual MLPs (vmapped, stacked params) on the
   trunk state; all heads share the final norm and the unembedding. No attention, no cache."""
   stacks = {"mlps": 2}
+  drafts_tree = True
 
   @classmethod
   def warm_start(cls, fresh: dict, args: ModelArgs) -> None:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import sampling
+from mtp_jax.decoding import sampling
 from mtp_jax.heads.base import DecodeReads, HeadKind, Shared, register
 from mtp_jax.layers import Block, RMSNorm, dense_init, remat, rms_norm
 from mtp_jax.model_args import ModelArgs
@@ -76,6 +76,8 @@ class SequentialHeads(HeadKind):
              "seq_trunk_state": ("post_norm", "pre_norm"),
              "seq_output_norm": ("per_module", "shared")}
   preset_field = "seq_preset"
+  # DeepSeek-V3's MTP layers (model.layers.{n_trunk + k}) hold depth k.
+  checkpoint_layouts = {"deepseek": {"seq_preset": "deepseek_v3"}}
   presets = {
       # The released DeepSeek-V3 weights, Megatron, vLLM, SGLang: eh_proj([enorm(emb);
       # hnorm(h)]), h taken after the main model's final norm, `shared_head.norm` per module.
@@ -157,7 +159,7 @@ def known_tokens(after_BxS, last_B, depths: int) -> jax.Array:
   return jnp.stack(out).astype(jnp.int32)
 
 
-def draft_tokens(out_BxSxD, unembed_DxV, sp: sampling.Params | None, u_B=None) -> jax.Array:
+def draft_tokens(out_BxSxD, unembed_DxV, sp: sampling.Settings | None, u_B=None) -> jax.Array:
   """[B, S] drafts of one head: its argmax (sp None) or its draw with the row's uniform."""
   lg_BxSxV = sampling.head_logits(out_BxSxD, unembed_DxV)
   if sp is None:
@@ -166,7 +168,7 @@ def draft_tokens(out_BxSxD, unembed_DxV, sp: sampling.Params | None, u_B=None) -
                        jnp.broadcast_to(u_B[:, None], lg_BxSxV.shape[:2]))
 
 
-def chain_reads(known_fn, unembed_DxV, sp: sampling.Params | None, u_DxB=None,
+def chain_reads(known_fn, unembed_DxV, sp: sampling.Settings | None, u_DxB=None,
                 slots_BxN=None) -> DecodeReads:
   """What sequential depths read while decoding: known_fn(h1_BxSxD) -> (after_BxS, last_B) gives
   the known tokens (teacher forcing wherever the next tokens are known: the prompt at prefill, the

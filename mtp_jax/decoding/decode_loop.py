@@ -1,10 +1,10 @@
-"""The compiled loop of chain decoding (`mtp_jax.decode` documents the method): one jit,
+"""The compiled loop of chain decoding (`mtp_jax.decoding.decode` documents the method): one jit,
 lax.while_loop over a `DecodeState`, static shapes, per-row lengths; the greedy acceptance rule
 of a cycle (`accept_greedy`) and what a row gains (`gain`), shared with the tree loop
-(`mtp_jax.tree`).
+(`mtp_jax.decoding.tree`).
 
 `max_cycles` (traced) stops the loop after that many verification forwards whatever the rows'
-state: the same compiled program serves a short probe (`mtp_jax.costmodel`) and a full run.
+state: the same compiled program serves a short probe (`mtp_jax.decoding.costmodel`) and a full run.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax import heads
-from mtp_jax import sampling as sampling_lib
-from mtp_jax import stops as stops_lib
+from mtp_jax.decoding import sampling as sampling_lib
+from mtp_jax.decoding import stops as stops_lib
 from mtp_jax.model_args import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding, unrolled
 
@@ -168,12 +168,12 @@ def decode_chain(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max
 
       def known(h1_BxKxD):
         m_B, next_B = rule(h1_BxKxD)
-        return sampling_lib.gained(s.drafts_BxK1, m_B, next_B), m_B
+        return sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B), m_B
 
       reads = chain_reads(known, W_DxV, sp, u_BxU[:, k:].T)
       h_kxBxKxD, cache = apply(window_BxK, s.pos_B[:, None] + j_K, s.cache, reads)
       m_B, next_B = rule(h_kxBxKxD[0])
-      out_BxK = sampling_lib.gained(s.drafts_BxK1, m_B, next_B)
+      out_BxK = sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B)
       acc = gain(out_BxK, m_B, s.last_B, eos_id, budget_B)
       q_BxK1xV = draft_dists(h_kxBxKxD, W_DxV, acc.drafts_B, sp)
       new_drafts_BxK1 = sampling_lib.draw(q_BxK1xV, u_BxU[:, k:])

@@ -12,9 +12,9 @@ has a "name". `run_sweep` trains each run in ROOT/NAME (log in ROOT/NAME/train.l
 at a time, skips runs whose summary.json says they finished, resumes the others (the train CLI
 resumes from the workdir's checkpoint), reports a failed run and goes on, and writes
 ROOT/sweep.json (runs and their `RunStatus`) and ROOT/results.csv. The processes are run by
-`mtp_jax.scheduler` (slots, CPU affinity, signals). Results, fits and plots are in
-`mtp_jax.scaling` (re-exported here: `gather_results`, `fit_power_law`, `analyze`). None of the
-three imports jax or tfds: a rerun that skips everything costs no start-up.
+`mtp_jax.sweeps.scheduler` (slots, CPU affinity, signals). Results, fits and plots are in
+`mtp_jax.sweeps.scaling` (re-exported here: `gather_results`, `fit_power_law`, `analyze`). None of
+the three imports jax or tfds: a rerun that skips everything costs no start-up.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import time
 from typing import Any
 from collections.abc import Callable
 
-from mtp_jax import scaling
-from mtp_jax import scheduler
+from mtp_jax.sweeps import scaling
+from mtp_jax.sweeps import scheduler
 from mtp_jax import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -255,7 +255,7 @@ def run_sweep(sweep: Sweep, root: str, parallel: int = 1, *, dry_run: bool = Fal
   (its runs as `RunRecord.to_json` dicts: statuses are `RunStatus` values).
 
   parallel > 1 runs that many subprocesses at once, each pinned to its share of the CPUs with
-  `pin_cpus` (mtp_jax.scheduler). On an accelerator, keep parallel at 1 (each process would
+  `pin_cpus` (mtp_jax.sweeps.scheduler). On an accelerator, keep parallel at 1 (each process would
   claim most of the device's memory). The first run starts alone until it has its data ready,
   so the dataset is built once, not by P processes at once. JAX_COMPILATION_CACHE_DIR defaults
   to root/.jax_cache, so a resumed run does not compile again.

@@ -1,5 +1,5 @@
 """The cost model of self-speculative decoding, and the choice it makes (`heads="auto"`,
-`tree="auto"` in `mtp_jax.decode`).
+`tree="auto"` in `mtp_jax.decoding.decode`).
 
 Speculation with k heads (or a tree of N nodes) pays when S = a x T1 / Tk > 1: a the tokens a
 row gains per verification forward, T1 a one-token forward with head 1 alone (plain decoding),
@@ -35,7 +35,7 @@ import numpy as np
 from mtp_jax import heads
 from mtp_jax.config import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache
-from mtp_jax.tree import Tree, parse
+from mtp_jax.decoding.tree import Tree, parse
 
 PRIOR = 4.0  # pseudo-cycles of the pooled histogram added to each row's
 MIN_GAIN = 1.05  # a candidate must beat plain decoding by this much predicted S

@@ -6,7 +6,7 @@ One cycle feeds [last accepted token, drafts d_1..d_{k-1}] at positions L..L+k-1
 trunk and heads 1..k with a KV cache. Head 1 at window slot j gives the token for position
 L+j+1. Greedy: its argmax g_j; draft d_j is accepted while d_j == g_{j-1}; with m drafts accepted
 the row gains g_0..g_m (m + 1 tokens). Sampling (temperature > 0, top-k, top-p;
-`mtp_jax.sampling`): draft d_j was drawn from head j+1's truncated distribution q_j and is
+`mtp_jax.decoding.sampling`): draft d_j was drawn from head j+1's truncated distribution q_j and is
 accepted with probability min(1, p(d_j) / q_j(d_j)), p being head 1's; at the first rejection
 the next token is drawn from normalise(max(0, p - q)), after k-1 acceptances from p (the bonus
 token), so the output is distributed exactly as plain sampling from head 1. Either way heads
@@ -21,8 +21,8 @@ frozen) while the others go on. The rules of a cycle are pure functions: `accept
 `sampling.accept_sampled`. Randomness is per row (`sampling.row_keys`), so a row's samples do
 not depend on the rest of the batch. `Decoder` compiles the loop ahead of time for one batch
 shape (jax.jit caches the program). Tree drafts (`tree=`, greedy, parallel and projection
-heads): `mtp_jax.tree`. k="auto" / tree="auto": `choose`, by the cost model
-(`mtp_jax.costmodel`), decided once per shape (the one cache kept here, `_CHOICES`).
+heads): `mtp_jax.decoding.tree`. k="auto" / tree="auto": `choose`, by the cost model
+(`mtp_jax.decoding.costmodel`), decided once per shape (the one cache kept here, `_CHOICES`).
 
 Sequential (DeepSeek-V3) heads decode in chain mode: depth j reads x_{t+j} where it is known
 (the prompt at prefill, the accepted drafts and the new token in a cycle: teacher forcing, as in
@@ -40,11 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import costmodel, heads
-from mtp_jax import sampling as sampling_lib
-from mtp_jax import tree as tree_lib
-from mtp_jax.costmodel import forward_seconds  # noqa: F401  (the cost model's inputs)
-from mtp_jax.decode_loop import Accepted, accept_greedy, decode_chain, gain  # noqa: F401
+from mtp_jax import heads
+from mtp_jax.decoding import costmodel
+from mtp_jax.decoding import sampling as sampling_lib
+from mtp_jax.decoding import tree as tree_lib
+from mtp_jax.decoding.costmodel import forward_seconds  # noqa: F401  (the cost model's inputs)
+from mtp_jax.decoding.decode_loop import Accepted, accept_greedy, decode_chain, gain  # noqa: F401
 from mtp_jax.model_args import ModelArgs
 
 log = logging.getLogger(__name__)
@@ -94,8 +95,8 @@ class Decoder:
   (`compile_seconds`), so that calls time the decode alone. `sampling=True` compiles the
   sampling program (temperature, top_k, top_p and seed are then arguments of each call, and
   temperature 0 in it is greedy); False, the greedy one. `tree` (a `tree.Tree`, greedy,
-  parallel and projection heads, k = its levels + 1): tree drafts (`mtp_jax.tree`). Prompts are
-  validated here, at the entry point."""
+  parallel and projection heads, k = its levels + 1): tree drafts (`mtp_jax.decoding.tree`).
+  Prompts are validated here, at the entry point."""
 
   def __init__(self, params, args: ModelArgs, *, k: int, batch: int, prompt_len: int,
                max_new_tokens: int, sampling: bool = False, tree: tree_lib.Tree | None = None,
@@ -109,7 +110,7 @@ class Decoder:
     if tree is not None:
       if tree.k != k or sampling or tree_lib.supports(args):
         raise ValueError(f"--tree: {tree.name} needs greedy decoding with {tree.k} heads of a "
-                         f"kind in {tree_lib.KINDS}")
+                         f"kind in {heads.tree_kinds()}")
     self.params, self.args = slice_heads(params, args, k)
     self.batch, self.prompt_len, self.max_new_tokens = batch, prompt_len, max_new_tokens
     # stops: a stops.Matcher (rows end once their cut at a stop sequence is decided); a tree
@@ -122,7 +123,7 @@ class Decoder:
     if tree is None:
       self._compiled = decode_chain.lower(
           self.params, i32(batch, prompt_len), i32(batch), i32(), i32(),
-          sampling_lib.Params(f32, i32(), f32), i32(), i32(), self.stops, args=self.args,
+          sampling_lib.Settings(f32, i32(), f32), i32(), i32(), self.stops, args=self.args,
           max_new_tokens=max_new_tokens, sample=sampling).compile()
     else:
       self._compiled = tree_lib.decode_tree.lower(
@@ -153,7 +154,7 @@ class Decoder:
     ids = (self.params, prompt_BxP, lens_B, np.int32(eos_id), np.int32(pad_id))
     t0 = time.perf_counter()
     if self.tree is None:
-      sp = sampling_lib.Params(np.float32(temperature), np.int32(top_k), np.float32(top_p))
+      sp = sampling_lib.Settings(np.float32(temperature), np.int32(top_k), np.float32(top_p))
       out = jax.device_get(self._compiled(*ids, sp, np.int32(seed), cap, self.stops))
     else:
       out = jax.device_get(self._compiled(*ids, cap))
@@ -175,7 +176,7 @@ _CHOICES: dict = {}  # (shape, mode, id(params)) -> what `choose` decided
 def choose(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k, tree,
            eos_id: int, pad_id: int, sample_kw: dict) -> dict:
   """heads="auto" and/or tree="auto": the k (or tree) of highest predicted speed-up for this
-  call's batch, prompt width and mode (`mtp_jax.costmodel`), decided once per shape and
+  call's batch, prompt width and mode (`mtp_jax.decoding.costmodel`), decided once per shape and
   mode and cached. Returns {"heads", "tree" (a Tree or None), "S_predicted", "a_predicted",
   "table", "probe", "seconds"} ("seconds": what deciding took, compilation of the probe
   included; like compile time, apart from the decode's)."""
@@ -264,9 +265,9 @@ def decode(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k=Non
   those of a full-length decode).
 
   k="auto": the k of highest predicted speed-up for this batch (`choose`; plain decoding where
-  speculation would lose). tree: a spec such as "4,2,1" (`mtp_jax.tree`; its levels + 1 heads)
-  or "auto" (a tree, or a chain, chosen the same way); sampling and sequential heads fall back
-  to the chain, with a logged reason. The result's `heads`, `tree` and `auto` say what ran."""
+  speculation would lose). tree: a spec such as "4,2,1" (`mtp_jax.decoding.tree`; its levels + 1
+  heads) or "auto" (a tree, or a chain, chosen the same way); sampling and sequential heads fall
+  back to the chain, with a logged reason. The result's `heads`, `tree` and `auto` say what ran."""
   sampling_lib.check(temperature, top_k, top_p, seed)
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("prompt: every prompt needs at least one token")
@@ -282,9 +283,9 @@ def decode(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k=Non
   return result
 
 
-def greedy(params, args: ModelArgs, prompts: list, **kw) -> DecodeResult:
-  """Ordinary autoregressive decoding with head 1 only: the baseline (greedy, or plain sampling
-  with temperature > 0)."""
+def plain(params, args: ModelArgs, prompts: list, **kw) -> DecodeResult:
+  """Plain autoregressive decoding with head 1 only, the baseline: greedy at temperature 0,
+  plain sampling at temperature > 0 (no drafts: k = 1)."""
   return decode(params, args, prompts, k=1, **kw)
 
 

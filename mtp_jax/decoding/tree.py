@@ -19,9 +19,10 @@ entries (trunk and every head block with a cache) move to slots L..L+m (compacti
 next cycle's committed cache is exactly what plain decoding would have written, and heads 2..k
 at the path's last node draft the next tree.
 
-Greedy only, parallel and projection heads. Sequential (DeepSeek-V3) depths draft a chain
-(each depth reads its predecessor's draft, one path); sampling uses the chain (a lossless
-multi-draft rule is not implemented): `mtp_jax.decode` falls back with a logged reason.
+Greedy only, head kinds whose `drafts_tree` holds (parallel and projection heads). Sequential
+(DeepSeek-V3) depths draft a chain (each depth reads its predecessor's draft, one path);
+sampling uses the chain (a lossless multi-draft rule is not implemented):
+`mtp_jax.decoding.decode` falls back with a logged reason.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import sampling as sampling_lib
+from mtp_jax import heads
+from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.config import ModelArgs
-from mtp_jax.decode_loop import DecodeState, gain
+from mtp_jax.decoding.decode_loop import DecodeState, gain
 from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding, unrolled
 
 MAX_NODES = 32  # the tree mask travels as int32 bits, one per window token
-KINDS = ("parallel", "projection")  # head kinds whose heads draft a tree (see the docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,7 @@ def parse(spec, n_future: int | None = None) -> Tree:
 
 def supports(args: ModelArgs) -> str | None:
   """None if `args`' head kind drafts trees, else why not."""
-  if args.head_kind not in KINDS:
+  if not heads.KINDS[args.head_kind].drafts_tree:
     return (f"{args.head_kind} heads draft a chain (each depth reads its predecessor's draft), "
             "not a tree")
   return None

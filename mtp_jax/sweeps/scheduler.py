@@ -5,7 +5,7 @@
 
 What a sweep needs from its processes and nothing of sweeps: slots, CPU affinity per slot, a
 first job that starts alone until its log shows it is ready, and SIGTERM or Ctrl-C forwarded to
-the running jobs. Knows nothing of configs or results (mtp_jax.sweep); imports no jax.
+the running jobs. Knows nothing of configs or results (mtp_jax.sweeps.sweep); imports no jax.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A sweep's results: results.csv gathered from its workdirs, power-law fits, and the MTP-gain
 table (Gloeckle et al. 2024, §3.1: does multi-token prediction help more as models grow?).
 
-    from mtp_jax import scaling
+    from mtp_jax.sweeps import scaling
     out = scaling.analyze("runs/size_x_n")     # fits, table; writes PNG, CSV, JSON
     out["fits"]["4"]["params"]                 # {"a": ..., "b": ..., "r2": ..., "points": ...}
 
@@ -24,7 +24,7 @@ from mtp_jax import config as config_lib
 from mtp_jax import workdir as workdir_lib
 from mtp_jax.model_args import padded_vocab
 
-# The values of mtp_jax.sweep.RunStatus.DONE and .SKIPPED (RunStatus.ok) as sweep.json and
+# The values of mtp_jax.sweeps.sweep.RunStatus.DONE and .SKIPPED (RunStatus.ok) as sweep.json and
 # results.csv hold them; this module reads those files and does not import the sweep runner.
 _STATUS_OK = ("done", "skipped")
 

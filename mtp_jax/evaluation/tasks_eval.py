@@ -1,6 +1,6 @@
 """Accuracy on the synthetic tasks of Gloeckle et al. 2024 §4, one unpacked example per row.
 
-    python -m mtp_jax.tasks_eval --workdir DIR [--limit N]     # prints JSON
+    python -m mtp_jax.evaluation.tasks_eval --workdir DIR [--limit N]     # prints JSON
 
 Each example is scored alone: right-padded to the split's width, segment id 1 on its tokens and
 0 on the padding, so no other example is in view (packed rows would let one leak in). A
@@ -87,8 +87,8 @@ def score_polynomial(predict: Predict, texts: list[str], *, batch_size: int = 64
           "exact_by_ops": {str(k): float(np.mean(v)) for k, v in sorted(exact_by_ops.items())}}
 
 
-def evaluate(predict: Predict, data_config, split: str, *, batch_size: int = 64,
-             limit: int | None = None) -> dict:
+def score_split(predict: Predict, data_config, split: str, *, batch_size: int = 64,
+                limit: int | None = None) -> dict:
   """The task metrics of one split of the task `data_config.corpus` names (built on first use)."""
   if data_config.corpus not in tasks.TASKS:
     raise ValueError(f"config.data.corpus: task evaluation needs one of "
@@ -104,7 +104,7 @@ def head1_predictor(params, args) -> Predict:
   """Head 1's argmax at every position (the other heads are sliced off, not run)."""
   import jax
   import jax.numpy as jnp
-  from mtp_jax import decode
+  from mtp_jax.decoding import decode
   from mtp_jax.model import MTPModel, logits
   params_1, args_1 = decode.slice_heads(params, args, 1)
   model = MTPModel(args_1)
@@ -118,8 +118,8 @@ def head1_predictor(params, args) -> Predict:
       predict(params_1, tokens_BxS, segment_ids_BxS))
 
 
-def evaluate_workdir(workdir: str, *, splits=None, batch_size: int = 64,
-                     limit: int | None = None) -> dict:
+def score_workdir(workdir: str, *, splits=None, batch_size: int = 64,
+                  limit: int | None = None) -> dict:
   """{"task", "step", <split>: metrics} for every evaluation split (all but train)."""
   loaded = workdir_lib.load_workdir(workdir)
   data = loaded.config.data
@@ -129,7 +129,7 @@ def evaluate_workdir(workdir: str, *, splits=None, batch_size: int = 64,
   predict = head1_predictor(loaded.params, loaded.model.args)
   out = {"task": data.corpus, "step": loaded.step}
   for split in splits or tasks.SPLITS[data.corpus][1:]:
-    out[split] = evaluate(predict, data, split, batch_size=batch_size, limit=limit)
+    out[split] = score_split(predict, data, split, batch_size=batch_size, limit=limit)
   return out
 
 
@@ -143,9 +143,9 @@ def _define(fv: flags.FlagValues) -> None:
 def main(argv=None) -> int:
   """`argv` without the program name (default sys.argv[1:]); returns the exit status."""
   try:
-    fv = cli.parse(argv, _define, prog="python -m mtp_jax.tasks_eval",
+    fv = cli.parse(argv, _define, prog="python -m mtp_jax.evaluation.tasks_eval",
                            usage="\n\n".join(__doc__.split("\n\n")[:2]), required=("workdir",))
-    result = evaluate_workdir(fv.workdir, batch_size=fv.batch_size, limit=fv.limit)
+    result = score_workdir(fv.workdir, batch_size=fv.batch_size, limit=fv.limit)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -16,8 +16,8 @@ import sys
 import threading
 import time
 
-from mtp_jax import code_tasks
-from mtp_jax import sandbox
+from mtp_jax.evaluation import code_tasks
+from mtp_jax.evaluation import sandbox
 
 
 class Progress:

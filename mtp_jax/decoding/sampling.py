@@ -1,6 +1,6 @@
-"""Sampling for `mtp_jax.decode`: temperature, top-k and top-p (nucleus) truncation, inverse-CDF
-draws from per-row uniforms, and the acceptance rule of speculative sampling (Leviathan et al.
-2023, Algorithm 1 and Theorem 1; Chen et al. 2023, Algorithm 2).
+"""Sampling for `mtp_jax.decoding.decode`: temperature, top-k and top-p (nucleus) truncation,
+inverse-CDF draws from per-row uniforms, and the acceptance rule of speculative sampling (Leviathan
+et al. 2023, Algorithm 1 and Theorem 1; Chen et al. 2023, Algorithm 2).
 
 Randomness is per row: row b of a batch draws from jax.random.fold_in(key(seed), b), folded again
 with the position of the row's newest token, so a row's samples depend on its seed, its index in
@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 
-class Params(NamedTuple):
-  """Sampling parameters as traced scalars (one compiled program serves every value)."""
+class Settings(NamedTuple):
+  """The sampling settings, as traced scalars (one compiled program serves every value); not
+  model parameters."""
   temperature: jax.Array  # 0: greedy (a one-hot distribution on the argmax)
   top_k: jax.Array  # 0: off
   top_p: jax.Array  # 1: off
@@ -48,7 +49,7 @@ def head_logits(h_BxSxD, unembed_DxV) -> jax.Array:
 PREFILTER = 64  # truncation looks at the most likely tokens first (see `probs`)
 
 
-def probs(logits_xV, sp: Params) -> jax.Array:
+def probs(logits_xV, sp: Settings) -> jax.Array:
   """The distribution sampled from: softmax(logits / temperature), then top-k, then top-p
   (nucleus: the most likely tokens whose mass before them is < top_p), renormalised; as HF
   `generate` and vLLM order them (ties with the last kept token are kept). Temperature 0:
@@ -150,8 +151,10 @@ def accept_sampled(drafts_BxK1, p_BxKxV, q_BxK1xV, u_BxK):
   return m_B, draw(r_BxV, u_BxK[:, K - 1])
 
 
-def gained(drafts_BxK1, m_B, next_B) -> jax.Array:
-  """[B, K]: the tokens a row gains, d_1..d_m then next (slots after m hold next again)."""
+def cycle_tokens(drafts_BxK1, m_B, next_B) -> jax.Array:
+  """[B, K]: a sampled cycle's tokens, d_1..d_m then next (slots after m hold next again), before
+  `decode_loop.gain` cuts them after an EOS and to the budget (greedy's counterpart: head 1's
+  tokens)."""
   K = drafts_BxK1.shape[1] + 1
   d_BxK = jnp.concatenate([drafts_BxK1, next_B[:, None]], axis=1)
   return jnp.where(jnp.arange(K) < m_B[:, None], d_BxK, next_B[:, None]).astype(jnp.int32)

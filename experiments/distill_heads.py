@@ -41,6 +41,7 @@ from mtp_jax import runtime
 from mtp_jax import validation
 from mtp_jax import convert, train
 from mtp_jax import heads as heads_lib
+from mtp_jax.data import corpus as corpus_lib
 from mtp_jax.data import distill
 from mtp_jax.workdir import load_workdir
 
@@ -111,7 +112,7 @@ def main():
   if d.corpus == "tfds":
     spec, data_dir, text_key = f"tfds:{d.tfds_name}", d.tfds_data_dir, d.text_key
   else:  # a local corpus tfds builds (python_code, text_folder): its prepared files
-    name = bench_decode.builders.prepare(d).info.full_name.rsplit("/", 1)[0]  # no version
+    name = corpus_lib.get(d).prepare(d).info.full_name.rsplit("/", 1)[0]  # no version
     spec, data_dir, text_key = f"tfds:{name}", d.dir, "text"
   dist_dir = os.path.join(args.root, "distilled")
   t = time.time()

@@ -27,15 +27,14 @@ if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU 
 import argparse
 import json
 import os
-import sys
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_decode
+from experiments import bench_decode
 
+from experiments import common
 from mtp_jax import config as config_lib
 from mtp_jax import runtime
 from mtp_jax import validation
@@ -143,12 +142,7 @@ def main():
           flush=True)
   results["wall_seconds"] = time.time() - t0
   results["load_avg_1min_end"] = os.getloadavg()[0]
-  text = json.dumps(runtime.stamp(results), indent=1)
-  print(text)
-  if args.json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-      f.write(text + "\n")
+  common.emit(results, args.json, indent=1)
 
 
 if __name__ == "__main__":

@@ -63,10 +63,10 @@ demo: install
 	  --config.train.checkpoint_every=50 --config.train.log_every=5
 	$(BIN)/python -m mtp_jax.generate --workdir $(DEMO_DIR) --mode both --max_new_tokens 96 \
 	  --heads auto --reps 3 --temperature 0.8 --seed 0 $(addprefix --prompt_file ,$(DEMO_PROMPTS))
-	$(BIN)/python experiments/bench_decode.py --workdir $(DEMO_DIR) --batches 1 --prompt_lens 64 \
+	$(BIN)/python -m experiments.bench_decode --workdir $(DEMO_DIR) --batches 1 --prompt_lens 64 \
 	  --max_new_tokens 64 --temperature 0.8 --top_p 1.0 --variants "chain:all tree:4,2,1 auto" \
 	  --reps 3 --json $(DEMO_DIR)/decode.json > $(DEMO_DIR)/decode.log
-	$(BIN)/python experiments/demo_report.py --workdir $(DEMO_DIR) \
+	$(BIN)/python -m experiments.demo_report --workdir $(DEMO_DIR) \
 	  --decode_json $(DEMO_DIR)/decode.json
 
 clean:

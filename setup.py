@@ -5,7 +5,9 @@ setup(
     version="0.1.0",
     description="Multi-token prediction language models in JAX/Flax: parallel, projection and "
     "sequential heads, O(V+d) loss, self-speculative decoding.",
-    packages=find_packages(include=["mtp_jax", "mtp_jax.*"]),
+    # experiments: so that `python experiments/X.py` finds its sibling modules (experiments.common)
+    # from an editable install, as `python -m experiments.X` does from the repository root.
+    packages=find_packages(include=["mtp_jax", "mtp_jax.*", "experiments"]),
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10,<0.11",

@@ -38,7 +38,6 @@ if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU 
   runtime.apply_cpu_defaults()
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -46,19 +45,16 @@ import time
 import jax
 import numpy as np
 
+from experiments import common
 from mtp_jax import config as config_lib
 from mtp_jax import validation
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import flops as flops_lib
-from mtp_jax import optimizer as optim_lib
 from mtp_jax import runtime
 from mtp_jax import sharding as shard_lib
-from mtp_jax.model import build_model, param_count
+from mtp_jax.model import param_count
 
-try:  # the train-step factory is moving from train.py to steps.py
-  from mtp_jax import steps as step_lib
-except ImportError:
-  from mtp_jax import train as step_lib
+from mtp_jax import steps as steps_lib
 
 # d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab, seq_len, default batch, remat policy
 SIZES = {
@@ -73,28 +69,6 @@ RANDOM_NOTE = ("random-init params: a (and so S_predicted) says nothing about a 
                "the times are real. Pass --workdir for a trained model's a.")
 
 
-def set_field(c, path: str, text: str) -> None:
-  """--set model.heads.parallel_stack=scan: the value parsed as the field's current type."""
-  *parents, leaf = path.split(".")
-  node = c
-  for p in parents:
-    node = node[p] if p in node else None
-    if node is None:
-      break
-  if node is None or leaf not in node:
-    raise ValueError(f"--set: no such config field {path!r}")
-  old = node[leaf]
-  if isinstance(old, bool):
-    node[leaf] = text.lower() in ("1", "true", "yes")
-  elif isinstance(old, (int, float, str)):
-    try:
-      node[leaf] = type(old)(text)
-    except ValueError:
-      raise ValueError(f"--set: {path} needs {type(old).__name__}, got {text!r}") from None
-  else:
-    raise ValueError(f"--set: {path!r} is not a number or string field")
-
-
 def make_config(size: str, n_future: int, dtype: str, batch: int, overrides):
   d, layers, heads, kv, ff, vocab, seq, _, remat = SIZES[size]
   c = config_lib.base_config()
@@ -103,49 +77,21 @@ def make_config(size: str, n_future: int, dtype: str, batch: int, overrides):
   m.vocab_size, m.max_len, m.n_future, m.dtype, m.remat_policy = vocab, seq, n_future, dtype, remat
   m.heads.kind = "parallel"
   c.data.seq_len, c.train.batch_size = seq, batch
-  for kv_text in overrides:
-    key, eq, value = kv_text.partition("=")
-    if not eq:
-      raise ValueError(f"--set: expected field=value, got {kv_text!r}")
-    set_field(c, key, value)
+  common.apply_overrides(c, overrides)
   return validation.validate(c)
 
 
-def _peak_bytes(compiled) -> dict:
-  m = compiled.memory_analysis()
-  out = {"argument_bytes": int(m.argument_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
-         "output_bytes": int(m.output_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes)}
-  # As plan_memory.py: arguments + temporaries + outputs that do not reuse a donated argument
-  # (an upper bound; XLA's own peak_memory_in_bytes, kept beside it, came out barely above the
-  # arguments alone on the CPU backend, below arguments + temporaries).
-  out["peak_bytes"] = (out["argument_bytes"] + out["temp_bytes"]
-                       + max(out["output_bytes"] - out["alias_bytes"], 0))
-  out["xla_peak_memory_bytes"] = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
-  return out
-
-
-def _parts(c):
-  model = build_model(c)
-  tx = optim_lib.make_optimizer(c)
-  mesh = shard_lib.make_mesh(c, devices=jax.devices()[:1])  # one device, however many there are
-  step = jax.jit(step_lib.make_train_step(model, tx, c), donate_argnums=0)
-  return model, tx, mesh, step
-
-
-def _random_batch(c, seed=0):
-  rng = np.random.default_rng(seed)
-  B, S = c.train.batch_size, c.data.seq_len
-  return {"tokens": rng.integers(0, c.model.vocab_size, (B, S)).astype(np.int32),
-          "segment_ids": np.ones((B, S), np.int32)}
+def _training(c):
+  """build_training on one device, however many there are."""
+  return steps_lib.build_training(c, shard_lib.make_mesh(c, devices=jax.devices()[:1]))
 
 
 def compiled_peak(c) -> int:
   """Compiled peak bytes of the train step, from shapes alone (nothing allocated)."""
-  model, tx, mesh, step = _parts(c)
-  state = jax.eval_shape(lambda r: step_lib.init_state(model, tx, c, mesh, r),
-                         jax.random.PRNGKey(0))
-  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _random_batch(c))
-  return _peak_bytes(step.lower(state, batch).compile())["peak_bytes"]
+  training = _training(c)
+  state = jax.eval_shape(training.init_state)
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), common.random_batch(c))
+  return common.memory_record(training.step.lower(state, batch).compile())["peak_bytes"]
 
 
 def fit_batch(make, start: int, limit: float) -> int:
@@ -165,11 +111,11 @@ def fit_batch(make, start: int, limit: float) -> int:
 def bench_train(c, steps: int, warmup: int, peak: float):
   """(record, final params, model args) of one variant; its optimizer state is freed on
   return."""
-  model, tx, mesh, step = _parts(c)
-  state = step_lib.init_state(model, tx, c, mesh, jax.random.PRNGKey(0))
-  batch = jax.device_put(_random_batch(c))
+  training = _training(c)
+  state = training.init_state(0)
+  batch = jax.device_put(common.random_batch(c))
   t = time.perf_counter()
-  compiled = step.lower(state, batch).compile()
+  compiled = training.step.lower(state, batch).compile()
   compile_s = time.perf_counter() - t
   for _ in range(warmup):
     state, m = compiled(state, batch)
@@ -187,8 +133,8 @@ def bench_train(c, steps: int, warmup: int, peak: float):
          "step_seconds_median": med, "step_seconds": times, "tokens_per_second": tokens_s,
          "mfu": flops_lib.mfu(tokens_s, fpt["total"], peak, 1),
          "train_flops_per_token": fpt, "compile_seconds": compile_s,
-         "loss_after": float(m["loss"]), **_peak_bytes(compiled)}
-  return rec, state.params, model.args
+         "loss_after": float(m["loss"]), **common.memory_record(compiled)}
+  return rec, state.params, training.model.args
 
 
 def bench_decode(params, args, prompts_for, max_new: int, pad_id: int = 0,
@@ -284,8 +230,7 @@ def main(argv=None) -> dict:
   params_from, note, pad_id = "random-init (the n=4 train variant's params)", RANDOM_NOTE, 0
   if args.workdir:
     from mtp_jax.workdir import load_workdir
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_decode import heldout_prompts
+    from experiments.bench_decode import heldout_prompts
     loaded = load_workdir(args.workdir)
     params, model_args = loaded.params, loaded.model.args
     prompts_for = lambda b: heldout_prompts(loaded, b, prompt_len)
@@ -294,18 +239,12 @@ def main(argv=None) -> dict:
   record["decode"] = {"params_from": params_from, "note": note,
                       "runs": bench_decode(params, model_args, prompts_for, max_new, pad_id,
                                            args.decode_reps)}
-  text = json.dumps(runtime.stamp(record), indent=2)
-  print(text)
-  if args.json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-      f.write(text + "\n")
+  common.emit(record, args.json)
   return record
 
 
 def _aot_main(args) -> dict:
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import aot_decode
+  from experiments import aot_decode
   sizes = [x for x in args.sizes.split(",") if x]
   bad = [x for x in sizes if x not in SIZES]
   if bad or not sizes:
@@ -314,12 +253,7 @@ def _aot_main(args) -> dict:
   make = lambda size, n, dt, b: make_config(size, n, dt, b, args.set)
   record = aot_decode.estimate(args.target, sizes, make, K, dtype, args.context,
                                args.acceptance, args.acceptance_prompt_len)
-  text = json.dumps(runtime.stamp(record), indent=2)
-  print(text)
-  if args.json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-      f.write(text + "\n")
+  common.emit(record, args.json)
   return record
 
 

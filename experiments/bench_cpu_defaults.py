@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from mtp_jax import runtime
+from experiments import common
 
 # name -> environment changes; "none" is what a user got before mtp_jax.runtime.
 ENVS = {
@@ -36,24 +36,15 @@ ENVS = {
 
 
 def worker(args):
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import jax
 
-  import bench_train
+  from experiments import bench_train
   from mtp_jax.config import load_file
   c = load_file(args.config)
   c.model.heads.kind, c.model.n_future = args.kind, args.n_future
   c.model.attention_impl = args.impl
   c.model.remat_policy = args.remat
-  for kv in args.set:
-    key, value = kv.split("=", 1)
-    section, field = key.rsplit(".", 1)
-    node = c
-    for part in section.split("."):
-      node = getattr(node, part)
-    old = getattr(node, field)
-    setattr(node, field, value.lower() in ("1", "true") if isinstance(old, bool)
-            else type(old)(value))
+  common.apply_overrides(c, args.set)
   run, tokens, _, compile_s = bench_train.jax_run(c)
   print(json.dumps({"ready": True, "compile_s": compile_s, "tokens": tokens,
                     "backend": jax.default_backend()}), flush=True)
@@ -101,10 +92,11 @@ def main():
   for env_name, impl, remat in variants:  # compile one at a time
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
     env.update(ENVS[env_name], MTP_JAX_CPU_DEFAULTS="0")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl, "--remat", remat,
-           "--config", args.config, "--kind", args.kind, "--n_future", str(args.n_future),
-           "--burst", str(args.burst),
-           "--set", *args.set]
+    cmd, env = common.module_command("bench_cpu_defaults", env)
+    cmd += ["--worker", "--impl", impl, "--remat", remat,
+            "--config", args.config, "--kind", args.kind, "--n_future", str(args.n_future),
+            "--burst", str(args.burst),
+            "--set", *args.set]
     p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     info[(env_name, impl, remat)] = json.loads(p.stdout.readline())
     procs[(env_name, impl, remat)] = p
@@ -143,10 +135,7 @@ def main():
           f"{r['step_seconds_median']:.3f} | "
           f"{r['cpu_seconds_median']:.3f} | {r['tokens_per_sec']:,.0f} | "
           f"{r['speedup_vs_first']:.3f} |")
-  if args.json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-      json.dump(runtime.stamp(records), f, indent=2)
+  common.write_json(records, args.json)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ import sysconfig
 import tempfile
 import time
 
+from experiments import common
 from mtp_jax import config as config_lib
-from mtp_jax import runtime
 from mtp_jax import validation
 from mtp_jax.data import pipeline
 from mtp_jax.data import prepare
@@ -117,11 +117,7 @@ def main() -> None:
       if result["train_step_tokens_per_sec"]:
         r["pipeline_train_over_train_step"] = (r["pipeline_train"]["tokens_per_sec"]
                                                / result["train_step_tokens_per_sec"])
-  text = json.dumps(runtime.stamp(result), indent=2)
-  print(text)
-  if args.json:
-    with open(args.json, "w") as f:
-      f.write(text + "\n")
+  common.emit(result, args.json)
 
 
 if __name__ == "__main__":

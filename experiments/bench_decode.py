@@ -52,14 +52,14 @@ from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax import runtime
 from mtp_jax.decoding import speed
-from mtp_jax.data import builders, pipeline
+from mtp_jax.data import corpus, pipeline
 from mtp_jax.workdir import load_workdir
 
 
 def heldout_prompts(loaded, n: int, length: int, seed: int = 0) -> list[np.ndarray]:
   """n windows of `length` tokens from validation files long enough to hold them."""
-  source = builders.load_source(loaded.config.data, "validation")
-  docs = [loaded.tokenizer.encode(builders.record_text(source[i])) for i in range(len(source))]
+  source = corpus.load_source(loaded.config.data, "validation")
+  docs = [loaded.tokenizer.encode(corpus.record_text(source[i])) for i in range(len(source))]
   docs = [d for d in docs if len(d) >= length + 1]
   if not docs:
     raise ValueError(f"--prompt_lens: no validation file has {length} tokens")

@@ -15,7 +15,6 @@ steps are recorded too (the FLOP count sees a scan body once: compare only betwe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -27,13 +26,12 @@ if __name__ == "__main__":  # before jax starts: XLA flags, malloc huge pages (R
 import jax
 import numpy as np
 
+from experiments import common
 from mtp_jax import config as config_lib
 from mtp_jax import validation
 from mtp_jax import heads as heads_lib
-from mtp_jax import optimizer as optim_lib
-from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
-from mtp_jax.model import build_model, param_count
+from mtp_jax.model import param_count
 
 
 def make_config(args, trainable: str):
@@ -50,19 +48,13 @@ def make_config(args, trainable: str):
 
 
 def build(c):
-  model = build_model(c)
-  tx = optim_lib.make_optimizer(c)
-  state = steps_lib.init_state(model, tx, c, shard_lib.make_mesh(c), jax.random.PRNGKey(0))
-  step = jax.jit(steps_lib.make_train_step(model, tx, c), donate_argnums=0)
-  B, S = c.train.batch_size, c.data.seq_len
-  rng = np.random.default_rng(0)
-  batch = jax.device_put({"tokens": rng.integers(0, 32000, (B, S)).astype(np.int32),
-                          "segment_ids": np.ones((B, S), np.int32)})
+  training = steps_lib.build_training(c)
+  state = training.init_state(0)
+  batch = jax.device_put(common.random_batch(c))
   t = time.perf_counter()
-  compiled = step.lower(state, batch).compile()
+  compiled = training.step.lower(state, batch).compile()
   compile_s = time.perf_counter() - t
   cost = compiled.cost_analysis() or {}
-  mem = compiled.memory_analysis()
   box = {"state": state}
 
   def run():
@@ -72,7 +64,7 @@ def build(c):
     return time.perf_counter() - t
 
   info = {"compile_s": compile_s, "flops": cost.get("flops"),
-          "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+          "temp_bytes": common.memory_record(compiled)["temp_bytes"],
           "n_params": param_count(state.params)}
   return run, info
 
@@ -116,12 +108,7 @@ def main():
       "machine": dict(runtime.machine_info(), load_avg_1min_before=load_before[0],
                       load_avg_1min_after=os.getloadavg()[0], jax=jax.__version__),
   }
-  text = json.dumps(out, indent=1)
-  print(text)
-  if args.json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-      f.write(text + "\n")
+  common.emit(out, args.json, indent=1)
 
 
 if __name__ == "__main__":

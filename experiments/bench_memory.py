@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
 from mtp_jax import config as config_lib
 from mtp_jax import runtime
 from mtp_jax import validation
@@ -46,12 +47,7 @@ MODEL = dict(head_kind="parallel", vocab_size=32768, d_model=256, n_layers=8, n_
 def _analysis(f, *args) -> dict:
   t0 = time.perf_counter()
   compiled = jax.jit(f).lower(*args).compile()
-  m = compiled.memory_analysis()
-  return {"temp_bytes": int(m.temp_size_in_bytes),
-          "argument_bytes": int(m.argument_size_in_bytes),
-          "output_bytes": int(m.output_size_in_bytes),
-          "alias_bytes": int(m.alias_size_in_bytes),
-          "compile_s": round(time.perf_counter() - t0, 2)}
+  return {**common.memory_record(compiled), "compile_s": round(time.perf_counter() - t0, 2)}
 
 
 def loss_record(n: int, impl: str, chunks: int) -> dict:

@@ -10,16 +10,12 @@ Landlock ABI) and that every program passed. The goal (issue 14) is >= 20 progra
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mtp_jax import runtime
+from experiments import common
 from mtp_jax.evaluation import code_tasks, sandbox
 
 
@@ -42,11 +38,7 @@ def main():
             "programs_per_s_median": round(statistics.median(rates), 1),
             "all_passed": all(p == len(programs) for p in passed),
             "sandbox": sandbox.confinement(), "python": platform.python_version()}
-  text = json.dumps(runtime.stamp(result), indent=1)
-  print(text)
-  if a.out:
-    with open(a.out, "w") as f:
-      f.write(text + "\n")
+  common.emit(result, a.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,9 @@ if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU 
   runtime.apply_cpu_defaults()
 
 import argparse
-import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from experiments import common
 from mtp_jax import runtime
 from mtp_jax.evaluation import code_tasks, passk
 from mtp_jax.generate import load_workdir
@@ -65,11 +62,7 @@ def main():
       "seconds_in_loop": round(runs["in_loop"]["seconds"], 3),
       "identical_completions": runs["post_hoc"]["completions"] == runs["in_loop"]["completions"],
       "machine": runtime.machine_info()}
-  text = json.dumps(result, indent=1)
-  print(text)
-  if a.out:
-    with open(a.out, "w") as f:
-      f.write(text + "\n")
+  common.emit(result, a.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Train-step time of MTP against next-token prediction at matched parameters (paper Table S5).
 
-    python experiments/bench_train.py --json out/bench_train.json [--config configs/default.py]
-    python experiments/bench_train.py --peer --json experiments/results/bench_train_peer.json
+    python -m experiments.bench_train --json out/bench_train.json [--config configs/default.py]
+    python -m experiments.bench_train --peer --json experiments/results/bench_train_peer.json
 
 For parallel heads with n_future in {1, 2, 4} (same n_layers, so the same parameter count) and
 for sequential heads (n_future 4, extra depth modules), compiles the full train step (model,
@@ -35,12 +35,10 @@ if __name__ == "__main__":  # before jax starts: XLA flags, malloc huge pages (R
 import jax
 import numpy as np
 
-from mtp_jax import cli
-from mtp_jax import optimizer as optim_lib
-from mtp_jax import sharding as shard_lib
+from experiments import common
 from mtp_jax import steps as steps_lib
 from mtp_jax.config import load_file
-from mtp_jax.model import build_model, param_count
+from mtp_jax.model import param_count
 
 VARIANTS = [("parallel", 1), ("parallel", 2), ("parallel", 4), ("sequential", 4),
             ("projection", 4)]
@@ -51,49 +49,37 @@ def setup(config_path, kind, n_future, overrides):
   c.model.heads.kind = kind
   c.model.n_future = n_future
   c.loss.head_weights = "deepseek" if kind == "sequential" else "uniform"
-  for key, value in overrides.items():  # parsed by the field's type: "False" is False
-    cli.set_field(c, key, value)
-  model = build_model(c)
-  tx = optim_lib.make_optimizer(c)
-  mesh = shard_lib.make_mesh(c)
-  state = steps_lib.init_state(model, tx, c, mesh, jax.random.PRNGKey(0))
-  step = jax.jit(steps_lib.make_train_step(model, tx, c), donate_argnums=0)
-  rng = np.random.default_rng(0)
-  B, S = c.train.batch_size, c.data.seq_len
-  batch = {"tokens": rng.integers(0, 256, (B, S)).astype(np.int32),
-           "segment_ids": np.ones((B, S), np.int32)}
-  batch = jax.device_put(batch)
+  common.apply_overrides(c, overrides)
+  run, tokens, n_params, compile_s, box = _compiled(c)
+  return {"step": box["training"].step, "state": box["state"], "batch": box["batch"],
+          "compile_s": compile_s, "n_params": n_params, "tokens": tokens, "config": c}
+
+
+def _compiled(c):
+  """(run one step -> loss, tokens per step, n_params, first step seconds, the box holding the
+  training, state and batch) of config `c` on one random batch of byte ids."""
+  training = steps_lib.build_training(c)
+  batch = jax.device_put(common.random_batch(c, high=256))
+  box = {"training": training, "state": training.init_state(0), "batch": batch}
+
+  def run():
+    box["state"], m = training.step(box["state"], batch)
+    return float(jax.block_until_ready(m["loss"]))
   t = time.perf_counter()
-  state, m = step(state, batch)
-  jax.block_until_ready(m)
-  return {"step": step, "state": state, "batch": batch, "compile_s": time.perf_counter() - t,
-          "n_params": param_count(state.params), "tokens": B * S, "config": c}
+  run()
+  return (run, batch["tokens"].size, param_count(box["state"].params),
+          time.perf_counter() - t, box)
 
 
 def jax_run(c):
   """The compiled train step of config `c` on one random batch, compiled and run once."""
-  model = build_model(c)
-  tx = optim_lib.make_optimizer(c)
-  state = steps_lib.init_state(model, tx, c, shard_lib.make_mesh(c), jax.random.PRNGKey(0))
-  step = jax.jit(steps_lib.make_train_step(model, tx, c), donate_argnums=0)
-  B, S = c.train.batch_size, c.data.seq_len
-  tokens = np.random.default_rng(0).integers(0, 256, (B, S)).astype(np.int32)
-  batch = jax.device_put({"tokens": tokens, "segment_ids": np.ones((B, S), np.int32)})
-  box = {"state": state}
-
-  def run():
-    box["state"], m = step(box["state"], batch)
-    return float(jax.block_until_ready(m["loss"]))
-  t = time.perf_counter()
-  run()
-  return run, B * S, param_count(state.params), time.perf_counter() - t
+  return _compiled(c)[:4]
 
 
 def _peer_config(args, overrides, n):
   c = load_file(args.config)
   c.model.heads.kind, c.model.n_future, c.loss.head_weights = "projection", n, "uniform"
-  for key, value in overrides.items():  # parsed by the field's type: "False" is False
-    cli.set_field(c, key, value)
+  common.apply_overrides(c, overrides)
   return c
 
 
@@ -102,7 +88,7 @@ def _peer_step(args, overrides, fw, n):
   c = _peer_config(args, overrides, n)
   if fw == "jax":
     return jax_run(c)
-  import torch_peer
+  from experiments import torch_peer
   t = time.perf_counter()
   step, tokens, n_params = torch_peer.make_peer(c)
   step()
@@ -152,9 +138,10 @@ def _peer_runs(args, overrides):
           info.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
         runs[(fw, n)] = (one, info)
         continue
-      cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config,
-             "--peer_worker", f"{fw}:{n}", "--set", *args.set]
-      p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+      cmd, env = common.module_command("bench_train")
+      cmd += ["--config", args.config, "--peer_worker", f"{fw}:{n}", "--set", *args.set]
+      p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                           env=env)
       procs.append(p)
       info = json.loads(p.stdout.readline())  # built one at a time: compiles do not overlap
 
@@ -248,23 +235,16 @@ def main():
                   help="--peer: both frameworks in this one process (slows JAX; see README)")
   ap.add_argument("--peer_worker", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
-  bad = [kv for kv in args.set if "=" not in kv]
-  if bad:
-    ap.error(f"--set: expected KEY=VALUE, got {bad[0]!r}")
-  overrides = dict(kv.split("=", 1) for kv in args.set)
-  try:
-    for key, value in overrides.items():  # bad input fails here, before any compile
-      cli.set_field(load_file(args.config), key, value)
+  try:  # bad input fails here, before any compile
+    overrides = common.parse_overrides(args.set)
+    common.apply_overrides(load_file(args.config), overrides)
   except ValueError as e:
-    ap.error(f"--set: {e}")
+    ap.error(str(e))
   if args.peer_worker:
     return peer_worker(args, overrides)
   if args.peer:
     records = peer(args, overrides)
-    if args.json:
-      os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-      with open(args.json, "w") as f:
-        json.dump(runtime.stamp(records), f, indent=2)
+    common.write_json(records, args.json)
     return
   runs = {v: setup(args.config, *v, overrides) for v in VARIANTS}
   for _ in range(args.warmup):
@@ -297,10 +277,7 @@ def main():
     print(f"| {rec['kind']} | {rec['n_future']} | {rec['n_params']:,} | "
           f"{rec['step_seconds_median']:.3f} | {rec['ratio_to_ntp']:.3f} | "
           f"{rec['tokens_per_sec']:,.0f} |")
-  if args.json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-      json.dump(runtime.stamp(records), f, indent=2)
+  common.write_json(records, args.json)
 
 
 if __name__ == "__main__":

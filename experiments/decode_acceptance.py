@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import heldout_prompts
-
+from experiments.bench_decode import heldout_prompts
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import runtime
 from mtp_jax.workdir import load_workdir

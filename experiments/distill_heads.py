@@ -27,20 +27,20 @@ if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU 
 import argparse
 import json
 import os
-import sys
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_decode
+from experiments import bench_decode
 
+from experiments import common
 from mtp_jax import config as config_lib
 from mtp_jax import runtime
 from mtp_jax import validation
 from mtp_jax import convert, train
 from mtp_jax import heads as heads_lib
+from mtp_jax.data import corpus as corpus_lib
 from mtp_jax.data import distill
 from mtp_jax.workdir import load_workdir
 
@@ -111,7 +111,7 @@ def main():
   if d.corpus == "tfds":
     spec, data_dir, text_key = f"tfds:{d.tfds_name}", d.tfds_data_dir, d.text_key
   else:  # a local corpus tfds builds (python_code, text_folder): its prepared files
-    name = bench_decode.builders.prepare(d).info.full_name.rsplit("/", 1)[0]  # no version
+    name = corpus_lib.get(d).prepare(d).info.full_name.rsplit("/", 1)[0]  # no version
     spec, data_dir, text_key = f"tfds:{name}", d.dir, "text"
   dist_dir = os.path.join(args.root, "distilled")
   t = time.time()
@@ -142,12 +142,7 @@ def main():
           flush=True)
   results["wall_seconds"] = time.time() - t0
   results["load_avg_1min_end"] = os.getloadavg()[0]
-  text = json.dumps(runtime.stamp(results), indent=1)
-  print(text)
-  if args.json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-      f.write(text + "\n")
+  common.emit(results, args.json, indent=1)
 
 
 if __name__ == "__main__":

@@ -38,13 +38,13 @@ datasheet peak): the TPU compiler's estimate, not a measured time. ~80 s a 7B co
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import re
 import sys
 import time
 
+from experiments import common  # jax-free, as aot
 from mtp_jax import aot  # jax-free: the device count and the TPU env are set before jax starts
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -88,15 +88,14 @@ def ensure_devices(n: int) -> None:
     if os.environ.get("MTP_JAX_PLAN_REEXEC"):
       raise RuntimeError("plan_memory: jax was imported before the device count could be set")
     os.environ["MTP_JAX_PLAN_REEXEC"] = "1"
-    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__)] + sys.argv[1:])
+    cmd, env = common.module_command("plan_memory")
+    os.execve(sys.executable, cmd + sys.argv[1:], env)
 
 
 def load_config(path: str, overrides: list[str], mesh: str, batch: int):
   from mtp_jax.config import load_file  # (jax first)
   c = load_file(path)
-  for item in overrides:
-    field, _, value = item.partition("=")
-    _set(c, field.strip(), value.strip())
+  common.apply_overrides(c, overrides)
   for item in filter(None, mesh.split(",")):
     axis, _, size = item.partition("=")
     if axis.strip() not in ("data", "fsdp", "tensor") or not size.strip().lstrip("-").isdigit():
@@ -105,28 +104,6 @@ def load_config(path: str, overrides: list[str], mesh: str, batch: int):
   if batch:
     c.train.batch_size = batch
   return c
-
-
-def _set(c, field: str, value: str) -> None:
-  """`model.d_model=64`: the value converted to the field's type."""
-  *parents, name = field.split(".")
-  node = c
-  for part in parents:
-    node = node[part]
-  if name not in node:
-    raise ValueError(f"--set: no such config field {field!r}")
-  old = node[name]
-  if isinstance(old, bool):
-    new = value.lower() in ("1", "true", "yes")
-  elif isinstance(old, int):
-    new = int(value)
-  elif isinstance(old, float):
-    new = float(value)
-  elif isinstance(old, (tuple, list)):
-    new = tuple(ast.literal_eval(value))
-  else:
-    new = value
-  node[name] = new
 
 
 def _compile_step(model, tx, c, mesh, state, rows: int, options=None):
@@ -249,7 +226,6 @@ def plan(config, n_future: int, devices=None, cost: str = "depth") -> dict:
   t0 = time.perf_counter()
   compiled = _compile_step(model, tx, c, mesh, state, B)
   compile_s = time.perf_counter() - t0
-  m = compiled.memory_analysis()
   shard_bytes = lambda tree: sum(
       int(np.prod(s.sharding.shard_shape(s.shape))) * np.dtype(s.dtype).itemsize
       for s in jax.tree.leaves(tree))
@@ -269,14 +245,9 @@ def plan(config, n_future: int, devices=None, cost: str = "depth") -> dict:
       "mosaic_kernel_calls": aot.mosaic_calls(compiled),  # splash attention on a TPU target
       "token_chunks": c.loss.token_chunks,
       "state_bytes_per_device": shard_bytes(state),
-      "argument_bytes": int(m.argument_size_in_bytes),
-      "output_bytes": int(m.output_size_in_bytes),
-      "alias_bytes": int(m.alias_size_in_bytes),
-      "temp_bytes": int(m.temp_size_in_bytes),
+      **common.memory_record(compiled),  # argument, output, alias, temp and peak bytes
       "compile_seconds": round(compile_s, 1),
   }
-  rec["peak_bytes"] = (rec["argument_bytes"] + rec["temp_bytes"]
-                       + max(rec["output_bytes"] - rec["alias_bytes"], 0))
   rec["optimal_seconds_loops_once"] = rec["optimal_seconds"]  # the memory compile's: too low
   rec["optimal_seconds"] = rec["mfu_at_optimal_seconds"] = None
   if cost and loops_once["optimal_seconds"] is not None:

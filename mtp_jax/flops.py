@@ -1,7 +1,14 @@
 """Model FLOPs per token, peak FLOP/s per device, and model FLOPs utilisation (MFU).
 
 Counting (PaLM, Chowdhery et al. 2022, appendix B): 2 FLOPs per multiply-add of every matmul in
-the forward pass, x3 for a train step (the backward pass costs twice the forward). Not counted:
+the forward pass, x3 for a train step (the backward pass costs twice the forward). With
+`optim.trainable = "heads"` only heads 2..n are trained: the frozen trunk and head 1 run their
+forward pass alone (no weight gradient, and no input gradient since nothing below them is
+trained), heads 2..n and their attention x3, and their unembedding x2 (the input gradient the
+heads need, no weight gradient of the frozen matrix). A trained head's input gradient into the
+frozen trunk output is not needed either but stays counted, as full training counts the first
+block's; head 1's slot of a parallel stack, whose backward XLA computes as zeros, is not. Not
+counted:
 norms, RoPE, softmax, the SiLU gate, the embedding lookup (a gather), the optimizer update, and
 any recomputation under remat: these are *model* FLOPs, so a remat policy lowers MFU instead of
 raising the count. Attention scores and values count the full S x S per layer (4 * d_model * S
@@ -94,21 +101,32 @@ def flops_per_token(config: ml_collections.ConfigDict, *, train: bool = True,
                      + ", ".join(map(repr, heads_lib.KINDS)))
   try:
     heads, head_blocks = kind.flops_per_token(m, block)
+    m1 = m.copy_and_resolve_references()
+    m1.n_future = 1
+    heads_1, head_blocks_1 = kind.flops_per_token(m1, block)  # head 1's share
   except NotImplementedError as e:
     raise ValueError(str(e)) from None
   n_trunk = kind.n_trunk(m)
   W = min(m.sliding_window or S, S)  # keys a query can see at most (Mistral's window)
   # causal_half: query t sees min(t + 1, W) keys, averaged over t (S / 2 without a window)
   keys = (sum(min(t + 1, W) for t in range(S)) / S if W < S else S / 2) if causal_half else W
-  out = {
-      "trunk": float(n_trunk * block),
-      "heads": float(heads),
-      # QK^T and PV: 2 FLOPs x head_dim x keys, for each of n_heads query heads, twice.
-      "attention": float((n_trunk + head_blocks) * 4 * q_width * keys),
-      "unembedding": float(n * 2 * d * m.vocab_size),
-  }
-  scale = 3.0 if train else 1.0
-  out = {k: v * scale for k, v in out.items()}
+  attention = 4 * q_width * keys  # QK^T and PV: 2 FLOPs x head_dim x keys, n_heads, twice
+  unembed = 2 * d * m.vocab_size
+  # (frozen: forward only, trained: forward and backward) FLOPs of each part
+  if not train:
+    parts = {"trunk": (n_trunk * block, 0), "heads": (heads, 0),
+             "attention": ((n_trunk + head_blocks) * attention, 0),
+             "unembedding": (n * unembed, 0)}
+  elif config.optim.trainable == "heads":
+    parts = {"trunk": (n_trunk * block, 0), "heads": (heads_1, heads - heads_1),
+             "attention": ((n_trunk + head_blocks_1) * attention,
+                           (head_blocks - head_blocks_1) * attention),
+             "unembedding": (unembed + 2 * (n - 1) * unembed, 0)}  # head 1 fwd; 2..n fwd + dx
+  else:
+    parts = {"trunk": (0, n_trunk * block), "heads": (0, heads),
+             "attention": (0, (n_trunk + head_blocks) * attention),
+             "unembedding": (0, n * unembed)}
+  out = {k: float(frozen + 3 * trained) for k, (frozen, trained) in parts.items()}
   out["total"] = sum(out.values())
   return out
 

@@ -3,12 +3,18 @@
     state = init_state(model, tx, config, mesh, rng)
     state, metrics = jax.jit(make_train_step(model, tx, config))(state, batch)
 
+or, all at once (what train.py and the benchmarks in experiments/ use):
+
+    t = build_training(config)   # model, tx, mesh, shardings, jitted step (donates the state)
+    state, metrics = t.step(t.init_state(seed), batch)
+
 plus the shardings and abstract shapes a restore fills in, and the hashes that make exact resume
 checkable (`params_sha256` in a workdir's summary.json).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -31,6 +37,38 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+  """What a training step needs, built once from a config by `build_training`."""
+  config: ml_collections.ConfigDict
+  model: MTPModel
+  tx: optax.GradientTransformation
+  mesh: jax.sharding.Mesh
+  state_shardings: Any
+  batch_sharding: jax.sharding.NamedSharding
+  step: Any  # jitted (state, batch) -> (state, metrics); donates the state
+
+  def init_state(self, seed: int = 0) -> TrainState:
+    return init_state(self.model, self.tx, self.config, self.mesh, jax.random.PRNGKey(seed))
+
+  def abstract_state(self) -> TrainState:
+    return abstract_state(self.model, self.tx, self.config, self.mesh)
+
+
+def build_training(config: ml_collections.ConfigDict, mesh=None) -> Training:
+  """The model, optimizer, mesh (`make_mesh(config)` unless given), state and batch shardings
+  and the jitted train step of `config`."""
+  from mtp_jax.model import build_model
+  mesh = shard_lib.make_mesh(config) if mesh is None else mesh
+  model = build_model(config)
+  tx = optim_lib.make_optimizer(config)
+  state_sh = state_shardings(model, tx, config, mesh)
+  batch_sh = shard_lib.batch_sharding(mesh)
+  step = jax.jit(make_train_step(model, tx, config), in_shardings=(state_sh, batch_sh),
+                 out_shardings=(state_sh, None), donate_argnums=0)
+  return Training(config, model, tx, mesh, state_sh, batch_sh, step)
 
 
 def _dummy_tokens(config):

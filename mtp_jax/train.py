@@ -30,7 +30,6 @@ from ml_collections import config_flags
 
 from mtp_jax import cli
 from mtp_jax import flops as flops_lib
-from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
 from mtp_jax import validation
@@ -38,7 +37,7 @@ from mtp_jax import workdir as workdir_lib
 from mtp_jax.checkpoint import Checkpointer
 from mtp_jax.data import pipeline, tokenizers
 from mtp_jax.metrics import MetricsWriter, machine, write_summary
-from mtp_jax.model import build_model, param_count
+from mtp_jax.model import param_count
 
 
 class NonFiniteError(RuntimeError):
@@ -116,17 +115,15 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   mesh = shard_lib.make_mesh(config)
   shard_lib.check_batch(config, mesh)
-  model = build_model(config)
-  tx = optim_lib.make_optimizer(config)
-  state_sh = steps_lib.state_shardings(model, tx, config, mesh)
-  batch_sh = shard_lib.batch_sharding(mesh)
+  training = steps_lib.build_training(config, mesh)
+  model, batch_sh, train_step = training.model, training.batch_sharding, training.step
   ckpt = Checkpointer(workdir_lib.checkpoints_dir(workdir), keep=config.train.keep_checkpoints,
                       async_save=config.train.async_checkpoints)
-  restored = ckpt.restore_latest(steps_lib.abstract_state(model, tx, config, mesh), train_it)
+  restored = ckpt.restore_latest(training.abstract_state(), train_it)
   if restored is None and config.train.init_from:  # a new run from imported or trained params
-    state = workdir_lib.init_state_from(model, tx, config, mesh, config.train.init_from)
+    state = workdir_lib.init_state_from(model, training.tx, config, mesh, config.train.init_from)
   elif restored is None:
-    state = steps_lib.init_state(model, tx, config, mesh, jax.random.PRNGKey(config.seed))
+    state = training.init_state(config.seed)
   else:
     state = restored[0]
   start, steps = int(state.step), config.train.steps
@@ -139,9 +136,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         f"{config.model.n_future}, {len(jax.devices())} {jax.devices()[0].platform} device(s)",
         flush=True)
 
-  train_step = jax.jit(steps_lib.make_train_step(model, tx, config),
-                       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
-                       donate_argnums=0)
   eval_step = jax.jit(steps_lib.make_eval_step(model, config))
   tokens_per_step = config.train.batch_size * config.data.seq_len
   try:

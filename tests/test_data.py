@@ -16,6 +16,7 @@ import sentencepiece as spm
 
 from mtp_jax import config as config_lib
 from mtp_jax.data import builders
+from mtp_jax.data import corpus as corpus_lib
 from mtp_jax.data import pipeline
 from mtp_jax.data import tokenizers
 
@@ -92,7 +93,8 @@ def corpus(tmp_path_factory):
   folder = tmp_path_factory.mktemp("corpus")
   texts = _write_corpus(folder)
   data_dir = tmp_path_factory.mktemp("datasets")
-  builders.prepare(_config(folder, data_dir).data)
+  data = _config(folder, data_dir).data
+  corpus_lib.get(data).prepare(data)
   return folder, data_dir, texts
 
 
@@ -170,18 +172,18 @@ def test_splits_disjoint_deterministic_and_skip_rules(corpus, tmp_path):
   folder, data_dir, texts = corpus
   d = _config(folder, data_dir).data
   paths = {}
-  for split in builders.SPLITS:
-    src = builders.load_source(d, split)
+  for split in corpus_lib.SPLITS:
+    src = corpus_lib.load_source(d, split)
     paths[split] = [src[i]["path"].decode() for i in range(len(src))]
     assert paths[split] == sorted(paths[split])
     for i, rel in enumerate(paths[split]):
       assert builders.split_of(rel, 30) == split
-      assert builders.record_text(src[i]) == texts[rel]
+      assert corpus_lib.record_text(src[i]) == texts[rel]
   assert not set(paths["train"]) & set(paths["validation"])
   assert set(paths["train"]) | set(paths["validation"]) == set(texts)  # no latin1/md/hidden
   assert paths["train"] and paths["validation"]
   # The same files in another data dir split the same way.
-  other = builders.load_source(_config(folder, tmp_path).data, "validation")
+  other = corpus_lib.load_source(_config(folder, tmp_path).data, "validation")
   assert [other[i]["path"].decode() for i in range(len(other))] == paths["validation"]
 
 
@@ -195,50 +197,30 @@ def test_builder_reused_and_rebuilt_when_files_change(tmp_path, monkeypatch):
   monkeypatch.setattr(builders._CorpusBuilder, "_split_generators",
                       lambda self, dl: calls.append(1) or generate(self, dl))
   c = _config(folder, tmp_path / "ds", val_percent=0)
-  assert len(builders.load_source(c.data, "train")) == 6 and len(calls) == 1
-  builders.load_source(c.data, "train")
+  assert len(corpus_lib.load_source(c.data, "train")) == 6 and len(calls) == 1
+  corpus_lib.load_source(c.data, "train")
   next(_iterator(c, "train"))
   assert len(calls) == 1  # reused: not rebuilt
   with pytest.raises(ValueError, match="val_percent.*validation split .* is empty"):
-    builders.load_source(c.data, "validation")
+    corpus_lib.load_source(c.data, "validation")
 
   (folder / "f0.txt").write_text("changed, and longer\n")
-  src = builders.load_source(c.data, "train")
-  assert len(calls) == 2 and builders.record_text(src[0]) == "changed, and longer\n"
+  src = corpus_lib.load_source(c.data, "train")
+  assert len(calls) == 2 and corpus_lib.record_text(src[0]) == "changed, and longer\n"
   # Another glob over the same folder is another build, beside the first.
   c2 = _config(folder, tmp_path / "ds", val_percent=0, glob="f[0-2].txt")
-  assert len(builders.load_source(c2.data, "train")) == 3 and len(calls) == 3
-  assert builders.get_builder(c2.data).data_path != builders.get_builder(c.data).data_path
-
-
-def test_builder_errors(tmp_path):
-  (tmp_path / "a.txt").write_text("a")
-  d = _config(tmp_path, tmp_path / "ds").data
-  d.glob = "**/*.rst"
-  with pytest.raises(ValueError, match="data.folder/config.data.glob: no file under"):
-    builders.load_source(d, "train")
-  (tmp_path / "bin").mkdir()
-  (tmp_path / "bin" / "b.txt").write_bytes(b"\xff\xfe binary")
-  d.folder, d.glob = str(tmp_path / "bin"), "*.txt"
-  with pytest.raises(ValueError, match="none of the 1 files .* is UTF-8 text"):
-    builders.load_source(d, "train")
-  d.folder = str(tmp_path / "missing")
-  with pytest.raises(ValueError, match="config.data.folder: .* is not a folder"):
-    builders.load_source(d, "train")
-  d.corpus = "wikipedia"
-  with pytest.raises(ValueError, match="config.data.corpus"):
-    builders.load_source(d, "train")
-  with pytest.raises(ValueError, match="split"):
-    builders.load_source(d, "test")
+  assert len(corpus_lib.load_source(c2.data, "train")) == 3 and len(calls) == 3
+  path = lambda d: corpus_lib.get(d).builder(d).data_path
+  assert path(c2.data) != path(c.data)
 
 
 def test_python_code_corpus(tmp_path):
   d = config_lib.base_config().data
   d.dir = str(tmp_path)
-  builder = builders.prepare(d)
+  builder = corpus_lib.get(d).prepare(d)
   v = sys.version_info
   assert builder.builder_config.name == f"py{v.major}_{v.minor}_{v.micro}_val5"
-  train, val = (builders.load_source(d, s) for s in builders.SPLITS)
+  train, val = (corpus_lib.load_source(d, s) for s in corpus_lib.SPLITS)
   paths = {s: {src[i]["path"].decode() for i in range(len(src))}
            for s, src in (("train", train), ("validation", val))}
   assert len(paths["train"]) > 300 and 5 < len(paths["validation"]) < len(paths["train"]) // 8

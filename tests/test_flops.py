@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import types
 
 import jax
@@ -81,6 +80,36 @@ def test_train_is_three_forwards(kind, n):
   assert train == {k: 3 * v for k, v in fwd.items()}
 
 
+def _heads_only(c):
+  c.optim.trainable = "heads"
+  return flops.flops_per_token(c)
+
+
+def test_heads_only_parallel_hand_count():
+  """optim.trainable = "heads", parallel n=2: the 2 trunk blocks and head 1's block forward only
+  (frozen: no weight gradient, and no input gradient, nothing below them trains), head 2's block
+  and its attention x3, head 1's logits forward only, head 2's forward + input gradient (the
+  frozen unembedding gets no weight gradient)."""
+  f = _heads_only(tiny_config("parallel", 2))
+  assert f["trunk"] == 2 * BLOCK
+  assert f["heads"] == BLOCK + 3 * BLOCK
+  assert f["attention"] == (2 + 1) * ATTN + 3 * ATTN
+  assert f["unembedding"] == UNEMBED + 2 * UNEMBED
+  assert f["total"] == 6 * BLOCK + 6 * ATTN + 3 * UNEMBED == 134592
+  assert flops.flops_per_token(tiny_config("parallel", 2))["total"] == 3 * 89728  # "all"
+
+
+def test_heads_only_projection_hand_count():
+  """Projection n=3: head 1 has no weights of its own; the 2 residual MLPs x3, the trunk and
+  its attention forward only, 1 + 2 * 2 unembedding passes."""
+  f = _heads_only(tiny_config("projection", 3))
+  mlp_head = 2 * 32 * 64 + 2 * 64 * 32
+  assert (f["trunk"], f["heads"], f["attention"]) == (4 * BLOCK, 3 * 2 * mlp_head, 4 * ATTN)
+  assert f["unembedding"] == 5 * UNEMBED
+  assert f["total"] == 150592
+  assert _heads_only(tiny_config("sequential", 1)) == forward(tiny_config("sequential", 1))
+
+
 def test_causal_half_halves_attention_only():
   c = tiny_config("sequential", 3)
   full, half = forward(c), forward(c, causal_half=True)
@@ -126,8 +155,7 @@ def test_cpu_peak_is_measured_once():
 
 def test_bench_accel_tiny(capsys):
   """bench_accel's main at its tiny size, 2 steps: the JSON it prints carries every figure."""
-  sys.path.insert(0, os.path.join(ROOT, "experiments"))
-  import bench_accel
+  from experiments import bench_accel
   rec = bench_accel.main(["--size", "tiny", "--steps", "2", "--warmup", "0",
                           "--max_new_tokens", "6", "--decode_reps", "1"])
   assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(rec))
@@ -152,8 +180,7 @@ def test_bench_accel_tiny(capsys):
 def test_bench_accel_fit_batch(monkeypatch):
   """--batch auto: the search over powers of two, and the compiled peak it reads (from shapes
   alone) grows with the batch."""
-  sys.path.insert(0, os.path.join(ROOT, "experiments"))
-  import bench_accel
+  from experiments import bench_accel
   make = lambda b: bench_accel.make_config("tiny", 4, "float32", b, [])
   small, big = bench_accel.compiled_peak(make(1)), bench_accel.compiled_peak(make(8))
   assert 0 < small < big

@@ -10,14 +10,14 @@ from conftest import copy_code_corpus
 
 from mtp_jax import config as config_lib
 from mtp_jax.sweeps import scaling
-from mtp_jax.data import builders
+from mtp_jax.data import corpus as corpus_lib
 
 
 def test_local_build_prints_no_download_lines(tmp_path, capfd):
   corpus = copy_code_corpus(tmp_path)
   c = config_lib.base_config()
   c.data.corpus, c.data.folder, c.data.dir = "text_folder", corpus["folder"], corpus["data_dir"]
-  builder = builders.prepare(c.data)
+  builder = corpus_lib.get(c.data).prepare(c.data)
   assert builder.data_path.exists()
   out, err = capfd.readouterr()
   assert "building the text_folder dataset" in out, out

@@ -4,16 +4,12 @@ verdict from bench_decode's records."""
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
 from mtp_jax.decoding import speed
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "experiments"))
-import demo_report
+from experiments import demo_report
 
 
 def test_speed_compare_reports_a_band_and_about_the_same():

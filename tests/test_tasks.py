@@ -12,8 +12,7 @@ import pytest
 from mtp_jax import config as config_lib
 from mtp_jax import validation
 from mtp_jax.evaluation import tasks_eval
-from mtp_jax.data import builders
-from mtp_jax.data import config_checks
+from mtp_jax.data import corpus
 from mtp_jax.data import pipeline
 from mtp_jax.data import tasks
 from mtp_jax.data import tokenizers
@@ -38,13 +37,14 @@ def _config(task, data_dir, **data):
 def data_dir(tmp_path_factory):
   d = tmp_path_factory.mktemp("datasets")
   for task in tasks.TASKS:
-    builders.prepare(_config(task, d).data)
+    data = _config(task, d).data
+    corpus.get(data).prepare(data)
   return d
 
 
 def _texts(c, split):
-  src = builders.load_source(c.data, split)
-  return [builders.record_text(src[i]) for i in range(len(src))]
+  src = corpus.load_source(c.data, split)
+  return [corpus.record_text(src[i]) for i in range(len(src))]
 
 
 # Generators.
@@ -133,9 +133,9 @@ def test_ood_split_has_more_operations(data_dir):
          for s in tasks.SPLITS["polynomial"]}
   assert set(ops["train"]) == set(ops["validation"]) == {1, 2, 3}
   assert set(ops["test_ood"]) == {4, 5}
-  assert config_checks.poly_max_len(2, 5) == len("+ + 12345 12345 12345=12345")
+  assert corpus.poly_max_len(2, 5) == len("+ + 12345 12345 12345=12345")
   for split, texts in (("train", _texts(c, "train")), ("test_ood", _texts(c, "test_ood"))):
-    assert max(len(t) for t in texts) <= config_checks.poly_max_len(3 if split == "train" else 5, 5)
+    assert max(len(t) for t in texts) <= corpus.poly_max_len(3 if split == "train" else 5, 5)
 
 
 # Builders and the pipeline.
@@ -158,7 +158,7 @@ def test_builds_through_the_pipeline_whole_examples(task, data_dir):
     batches = list(pipeline.make_iterator(c, split, process_index=0, process_count=1))
     assert sum(int((b["tokens"] == BYTE.eos_id).sum()) for b in batches) == 60
   with pytest.raises(ValueError, match="split: got 'test'"):
-    builders.load_source(c.data, "test")
+    corpus.load_source(c.data, "test")
 
 
 # Config validation.

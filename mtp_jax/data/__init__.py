@@ -1,6 +1,6 @@
-"""Data: tokenizers (bytes by default), tfds builders of local corpora, real corpora (any
-prepared tfds dataset, token shards written by `python -m mtp_jax.data.prepare`), the grain
-pipeline.
+"""Data: tokenizers (bytes by default), the corpus kinds `data.corpus` names (corpus.py: tfds
+builders of local corpora, the synthetic tasks, any prepared tfds dataset, token shards written
+by `python -m mtp_jax.data.prepare`), the grain pipeline.
 
   from mtp_jax.data import make_iterator
   it = make_iterator(config, "train")   # {"tokens": int32[B, S], "segment_ids": int32[B, S]}
@@ -16,10 +16,8 @@ _EXPORTS = {
     "SentencePieceTokenizer": "tokenizers",
     "get_tokenizer": "tokenizers",
     "train_sentencepiece": "tokenizers",
-    "load_source": "builders",
-    "get_builder": "builders",
-    # `prepare` is the module behind `python -m mtp_jax.data.prepare` (builders.prepare builds a
-    # local corpus: call it by its module).
+    "load_source": "corpus",
+    "record_text": "corpus",
     "make_dataset": "pipeline",
     "make_iterator": "pipeline",
 }

@@ -37,6 +37,7 @@ from mtp_jax import cli
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.data import corpora
+from mtp_jax.data import prepare
 from mtp_jax.data.sources import open_source
 
 DONE = "done"
@@ -142,8 +143,6 @@ def distill(workdir: str, source: str, out: str, *, prompt_len: int = 64,
             glob: str = "**/*", split: str = "train", tfds_data_dir: str = "",
             hf_cache_dir: str = "", progress: bool = True) -> dict:
   """Writes DIR/tokens-*.array_record and DIR/metadata.json; returns the metadata."""
-  from array_record.python import array_record_module
-
   from mtp_jax import workdir as workdir_lib
   f = dict(locals())
   check_flags(f)
@@ -165,12 +164,12 @@ def distill(workdir: str, source: str, out: str, *, prompt_len: int = 64,
   data = loaded.config.data
   tok_record = corpora.tokenizer_record(
       data.tokenizer, tok, data.spm_path if data.tokenizer == "sentencepiece" else "")
-  dtype = np.dtype("uint16" if tok.vocab_size <= 1 << 16 else "int32")
+  dtype = prepare.token_dtype(tok)
   os.makedirs(os.path.join(out, DONE), exist_ok=True)
   with open(os.path.join(out, DONE, "flags.json"), "w") as fh:
     json.dump(flags_used, fh)
   bounds = np.linspace(0, n, shards + 1).astype(int)
-  names = [corpora.SHARD_PATTERN.format(s, shards) for s in range(shards)]
+  names = prepare.shard_names(shards)
   bar = _Progress(n) if progress else None
   done_prompts = new_tokens = cycles = gained = 0
   stats, skipped_docs = [], 0
@@ -186,9 +185,7 @@ def distill(workdir: str, source: str, out: str, *, prompt_len: int = 64,
     rows = decode_lib.repeat([d[:prompt_len] for d in docs if d is not None and len(d)],
                              num_samples)
     shard_skipped = sum(1 for d in docs if d is None or not len(d))
-    tmp = os.path.join(out, name + ".tmp")
-    writer = array_record_module.ArrayRecordWriter(tmp, corpora.WRITER_OPTIONS)
-    records = tokens = 0
+    writer = prepare.Shard(out, name, dtype, atomic=True)
     for b0 in range(0, len(rows), batch_size):
       batch = rows[b0:b0 + batch_size]
       padded = batch + [batch[0]] * (batch_size - len(batch))  # a full batch; extras dropped
@@ -199,17 +196,13 @@ def distill(workdir: str, source: str, out: str, *, prompt_len: int = 64,
         cont = cont[:np.argmax(cont == tok.eos_id)] if np.any(cont == tok.eos_id) else cont
         ids = np.concatenate([prompt, cont]).astype(dtype)
         writer.write(ids.tobytes())
-        records, tokens = records + 1, tokens + len(ids)
         new_tokens += len(cont)
       cycles += int(r.cycles[:len(batch)].sum())  # as DecodeResult.tokens_per_forward
       gained += int((r.lengths[:len(batch)] - 1).sum())
       done_prompts += len(batch) / num_samples
       if bar:
         bar.update(int(done_prompts), new_tokens, gained / max(cycles, 1))
-    writer.close()
-    os.replace(tmp, os.path.join(out, name))
-    stat = {"file": name, "records": records, "tokens": tokens, "skipped": shard_skipped,
-            "bytes": os.path.getsize(os.path.join(out, name))}
+    stat = dict(writer.close(), skipped=shard_skipped)
     with open(done_path, "w") as fh:
       json.dump(stat, fh)
     stats.append(stat)
@@ -217,20 +210,15 @@ def distill(workdir: str, source: str, out: str, *, prompt_len: int = 64,
   if bar:
     bar.update(n, new_tokens, gained / max(cycles, 1), force=True)
     bar.stream.write("\n")
-  meta = {
-      "format": corpora.FORMAT, "source": source, "text_key": text_key, "split": split,
+  return prepare.write_metadata(out, {
+      "source": source, "text_key": text_key, "split": split,
       "tokenizer": tok_record, "dtype": dtype.name,
       "documents": sum(x["records"] for x in stats), "skipped": skipped_docs,
       "tokens": sum(x["tokens"] for x in stats),
       "shards": [{k_: x[k_] for k_ in ("file", "records", "tokens", "bytes")} for x in stats],
       "distill": dict(flags_used, workdir=os.path.abspath(workdir), step=loaded.step,
                       heads=k, batch_size=batch_size),
-  }
-  tmp = os.path.join(out, corpora.METADATA + ".tmp")
-  with open(tmp, "w") as fh:
-    json.dump(meta, fh, indent=2)
-  os.replace(tmp, os.path.join(out, corpora.METADATA))  # last: its presence means complete
-  return meta
+  })
 
 
 def _define(fv) -> None:

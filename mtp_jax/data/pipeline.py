@@ -1,7 +1,8 @@
 """The grain input pipeline: documents -> tokens -> packed rows -> batches, checkpointable.
 
   source[process_index::process_count]      this host's documents (ArrayRecord, random access:
-                                            text records, or token records for array_record)
+                                            text records, or token records for array_record),
+                                            opened by the data.corpus kind (corpus.py)
   -> shuffle(data.shuffle_seed), repeat     train: a new order every epoch, from the seed
   -> tokenize                               eos after every document, bos optional (token
                                             records: decoded, eos and bos added the same way)
@@ -37,8 +38,7 @@ from absl import flags
 import grain
 import numpy as np
 
-from mtp_jax.data import builders
-from mtp_jax.data import corpora
+from mtp_jax.data import corpus
 from mtp_jax.data import tokenizers
 
 # Rows shuffled together after packing, train split only. One stdlib file can fill hundreds of
@@ -77,25 +77,6 @@ class ShuffleEpochs(grain.MapDataset):
 
   def __str__(self) -> str:
     return f"ShuffleEpochs(seed={self._seed})"
-
-
-class _Tokenize:
-  """Record -> int32 ids of the whole document (a class: grain's worker processes pickle it)."""
-
-  def __init__(self, tokenizer, add_bos: bool, key: str = "text"):
-    self.tokenizer = tokenizer
-    self.add_bos = add_bos
-    self.key = key
-
-  def __call__(self, record) -> np.ndarray:
-    try:
-      return self.tokenizer.encode(builders.record_text(record, self.key), add_bos=self.add_bos,
-                                   add_eos=True)
-    except ValueError as e:
-      path = record["path"] if "path" in record else f"a record's {self.key}"
-      path = path.decode() if isinstance(path, bytes) else path
-      reason = str(e).removeprefix(tokenizers.CANNOT_ENCODE)  # the file, named as a file
-      raise ValueError(f"cannot encode text in {path}: {reason}") from None
 
 
 class _PackIterator(grain.DatasetIterator):
@@ -189,7 +170,8 @@ def make_dataset(config, split: str, *, batch_size: int | None = None,
                  repeat: bool | None = None, add_bos: bool = False) -> grain.IterDataset:
   """The grain dataset behind `make_iterator` (same arguments); iterate it for a fresh iterator."""
   data = config.data
-  builders.check_split(data, split)
+  kind = corpus.get(data)  # the one look-up of data.corpus: the kind opens the documents
+  kind.check_split(split)
   if process_index is None or process_count is None:
     import jax
     process_index = jax.process_index() if process_index is None else process_index
@@ -208,12 +190,7 @@ def make_dataset(config, split: str, *, batch_size: int | None = None,
     raise ValueError(f"config.data.seq_len: must be >= 1, got {data.seq_len}")
 
   tokenizer = tokenizers.get_tokenizer(data)
-  if data.corpus == "array_record":
-    source, meta = corpora.token_source(data, split, tokenizer)
-    to_ids = corpora.DecodeTokens(meta["dtype"], tokenizer.bos_id, tokenizer.eos_id, add_bos)
-  else:
-    source = builders.load_source(data, split)
-    to_ids = _Tokenize(tokenizer, add_bos, builders.text_key(data))
+  source, to_ids = kind.documents(data, split, tokenizer, add_bos)
   docs = grain.MapDataset.source(source)[process_index::process_count]
   if not len(docs):
     raise ValueError(f"config.data.corpus: the {split} split has {len(source)} documents, none "

@@ -67,6 +67,52 @@ def _encode_range(bounds: tuple[int, int]) -> list[bytes | None]:
   return out
 
 
+def token_dtype(tokenizer) -> np.dtype:
+  """What a shard stores ids as: uint16 while the vocabulary fits, else int32."""
+  return np.dtype("uint16" if tokenizer.vocab_size <= 1 << 16 else "int32")
+
+
+def shard_names(shards: int) -> list[str]:
+  return [corpora.SHARD_PATTERN.format(k, shards) for k in range(shards)]
+
+
+class Shard:
+  """One shard file being written: a record per document (its token ids as `dtype` bytes),
+  counted. `atomic`: written as NAME.tmp and moved into place by `close`, so a file under its
+  own name is complete (distill resumes on that)."""
+
+  def __init__(self, out: str, name: str, dtype, atomic: bool = False):
+    from array_record.python import array_record_module
+    self.path, self.name, self.itemsize = os.path.join(out, name), name, np.dtype(dtype).itemsize
+    self._tmp = self.path + ".tmp" if atomic else self.path
+    self._writer = array_record_module.ArrayRecordWriter(self._tmp, corpora.WRITER_OPTIONS)
+    self.records = self.tokens = 0
+
+  def write(self, record: bytes) -> None:
+    self._writer.write(record)
+    self.records += 1
+    self.tokens += len(record) // self.itemsize
+
+  def close(self) -> dict:
+    """Closes the file; {"file", "records", "tokens", "bytes"} as metadata.json lists it."""
+    self._writer.close()
+    if self._tmp != self.path:
+      os.replace(self._tmp, self.path)
+    return {"file": self.name, "records": self.records, "tokens": self.tokens,
+            "bytes": os.path.getsize(self.path)}
+
+
+def write_metadata(out: str, meta: dict) -> dict:
+  """out/metadata.json, {"format", **meta}, written last and atomically: its presence means
+  the shards are complete. Returns what it wrote."""
+  meta = {"format": corpora.FORMAT, **meta}
+  tmp = os.path.join(out, corpora.METADATA + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(meta, f, indent=2)
+  os.replace(tmp, os.path.join(out, corpora.METADATA))
+  return meta
+
+
 class _Progress:
   """One line on stderr, rewritten at most twice a second: documents/s, tokens/s, ETA."""
 
@@ -94,7 +140,6 @@ def prepare(source: str, tokenizer: str, out: str, *, shards: int = 8, workers: 
 
   workers = 0 tokenizes in this process. Every input is checked before `out` is created.
   """
-  from array_record.python import array_record_module
   if shards < 1:
     raise ValueError(f"--shards: must be >= 1, got {shards}")
   if workers < 0:
@@ -105,13 +150,10 @@ def prepare(source: str, tokenizer: str, out: str, *, shards: int = 8, workers: 
   kind, tok, tok_path = open_tokenizer(tokenizer)
   texts = open_source(source, text_key=text_key, glob=glob, split=split,
                       tfds_data_dir=tfds_data_dir, hf_cache_dir=hf_cache_dir)
-  dtype = "uint16" if tok.vocab_size <= 1 << 16 else "int32"
+  dtype = token_dtype(tok).name
   n = len(texts)
   os.makedirs(out, exist_ok=True)
-  names = [corpora.SHARD_PATTERN.format(k, shards) for k in range(shards)]
-  writers = [array_record_module.ArrayRecordWriter(os.path.join(out, name),
-                                                   corpora.WRITER_OPTIONS) for name in names]
-  records, tokens = np.zeros(shards, np.int64), np.zeros(shards, np.int64)
+  writers = [Shard(out, name, dtype) for name in shard_names(shards)]
   written = skipped = 0
   bar = _Progress(n) if progress else None
   ranges = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
@@ -123,7 +165,8 @@ def prepare(source: str, tokenizer: str, out: str, *, shards: int = 8, workers: 
   else:
     _init_worker(texts, tok, dtype)
     chunks = map(_encode_range, ranges)
-  done, width = 0, np.dtype(dtype).itemsize
+  done = 0
+  tokens = lambda: sum(w.tokens for w in writers)
   try:
     for chunk_records in chunks:
       for record in chunk_records:
@@ -131,36 +174,24 @@ def prepare(source: str, tokenizer: str, out: str, *, shards: int = 8, workers: 
         if record is None:
           skipped += 1
           continue
-        k = written % shards
-        writers[k].write(record)
-        records[k] += 1
-        tokens[k] += len(record) // width
+        writers[written % shards].write(record)
         written += 1
       if bar:
-        bar.update(done, int(tokens.sum()))
+        bar.update(done, tokens())
   finally:
     if pool is not None:
       pool.terminate()
-    for w in writers:
-      w.close()
+    stats = [w.close() for w in writers]
   if bar:
-    bar.update(done, int(tokens.sum()), force=True)
+    bar.update(done, tokens(), force=True)
     bar.stream.write("\n")
-  meta = {
-      "format": corpora.FORMAT,
+  return write_metadata(out, {
       "source": source, "text_key": text_key if not source.startswith("folder:") else "",
       "split": split if source.startswith(("tfds:", "hf:")) else "",
       "tokenizer": corpora.tokenizer_record(kind, tok, tok_path),
-      "dtype": dtype, "documents": written, "skipped": skipped, "tokens": int(tokens.sum()),
-      "shards": [{"file": name, "records": int(r), "tokens": int(t),
-                  "bytes": os.path.getsize(os.path.join(out, name))}
-                 for name, r, t in zip(names, records, tokens)],
-  }
-  tmp = os.path.join(out, corpora.METADATA + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(meta, f, indent=2)
-  os.replace(tmp, os.path.join(out, corpora.METADATA))  # last: its presence means complete
-  return meta
+      "dtype": dtype, "documents": written, "skipped": skipped, "tokens": tokens(),
+      "shards": stats,
+  })
 
 
 def main(argv) -> None:

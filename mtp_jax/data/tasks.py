@@ -34,8 +34,8 @@ from mtp_jax.data.local_builder import LocalBuilder
 TASKS = ("induction", "polynomial")
 SPLITS = {"induction": ("train", "validation"),
           "polynomial": ("train", "validation", "test_ood")}
-POLY_OPS = "+-*o"  # add, negate (unary), multiply, compose: p o q = p(q(X))
 # Bumped when a generator changes what a seed gives: the description changes, `prepare` rebuilds.
+POLY_OPS = "+-*o"  # add, negate (unary), multiply, compose: p o q = p(q(X)); corpus.py checks
 GENERATOR_VERSION = 2
 _COMMON = ("task_seed", "task_train_size", "task_eval_size")
 _KNOBS = {"induction": ("induction_len", "induction_pairs", "induction_repeats"),

@@ -25,7 +25,7 @@ import numpy as np
 import sentencepiece as spm
 
 from mtp_jax import config as config_lib
-from mtp_jax.data import config_checks
+from mtp_jax.data import corpus
 from mtp_jax.data.hf_tokenizer import CANNOT_ENCODE, HFTokenizer
 from mtp_jax.data.hf_tokenizer import resolve as hf_resolve
 
@@ -217,11 +217,10 @@ def train_sentencepiece(texts, out_path: str, vocab_size: int, *, model_type: st
 
 
 def _corpus_texts(data_config) -> Iterator[str]:
-  from mtp_jax.data import builders
-  source = builders.load_source(data_config, "train")
-  key = builders.text_key(data_config)
+  source = corpus.load_source(data_config, "train")
+  key = corpus.get(data_config).text_key(data_config)
   for i in range(len(source)):
-    yield builders.record_text(source[i], key)
+    yield corpus.record_text(source[i], key)
 
 
 def main(argv=None) -> None:
@@ -234,7 +233,7 @@ def main(argv=None) -> None:
   def define(fv):
     # Not tfds / array_record: a tfds dataset needs data.tfds_name (train the tokenizer on a
     # prepared text folder instead), and array_record shards are tokenized already.
-    raw = [c for c in config_checks.CORPORA if c not in ("tfds", "array_record")]
+    raw = [c for c, kind in corpus.KINDS.items() if kind.text and c != "tfds"]
     flags.DEFINE_enum("corpus", data.corpus, raw, "corpus to train on", flag_values=fv)
     flags.DEFINE_string("data_dir", data.dir, "where datasets are built (data.dir)",
                         flag_values=fv)

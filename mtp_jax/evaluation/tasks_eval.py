@@ -31,7 +31,7 @@ from absl import flags
 
 from mtp_jax import cli
 from mtp_jax import workdir as workdir_lib
-from mtp_jax.data import builders
+from mtp_jax.data import corpus
 from mtp_jax.data import tasks
 from mtp_jax.data import tokenizers
 
@@ -93,9 +93,9 @@ def score_split(predict: Predict, data_config, split: str, *, batch_size: int = 
   if data_config.corpus not in tasks.TASKS:
     raise ValueError(f"config.data.corpus: task evaluation needs one of "
                      f"{', '.join(map(repr, tasks.TASKS))}, got {data_config.corpus!r}")
-  source = builders.load_source(data_config, split)
+  source = corpus.load_source(data_config, split)
   n = len(source) if limit is None else min(limit, len(source))
-  texts = [builders.record_text(source[i]) for i in range(n)]
+  texts = [corpus.record_text(source[i]) for i in range(n)]
   score = score_induction if data_config.corpus == "induction" else score_polynomial
   return score(predict, texts, batch_size=batch_size)
 

@@ -1,0 +1,87 @@
+"""What the experiment scripts share: `--set key=value` config overrides, the compiled-memory
+record of a step, and a random batch for a train step built by `steps.build_training`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from mtp_jax import cli
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def module_command(module: str, env=None) -> tuple[list[str], dict]:
+  """(argv, environment) that run `python -m experiments.<module>` in a child process from any
+  folder: the repository root leads PYTHONPATH."""
+  env = dict(os.environ if env is None else env)
+  env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+  return [sys.executable, "-m", f"experiments.{module}"], env
+
+
+def write_json(record, path: str | None, indent: int = 2) -> str:
+  """`record` stamped with the machine it ran on (`runtime.stamp`) as JSON text, written to
+  `path` (its folder made) when given; returns the text."""
+  from mtp_jax import runtime
+  text = json.dumps(runtime.stamp(record), indent=indent)
+  if path:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+      f.write(text + "\n")
+  return text
+
+
+def emit(record, path: str | None, indent: int = 2) -> None:
+  """Prints `record` as stamped JSON (what every script's output is) and writes it to `path`."""
+  print(write_json(record, path, indent))
+
+
+def parse_overrides(items) -> dict[str, str]:
+  """["model.d_model=64", ...] -> {"model.d_model": "64"}; ValueError naming --set on an item
+  without "="."""
+  bad = [kv for kv in items if "=" not in kv]
+  if bad:
+    raise ValueError(f"--set: expected KEY=VALUE, got {bad[0]!r}")
+  return dict(kv.split("=", 1) for kv in items)
+
+
+def apply_overrides(config, overrides) -> None:
+  """Sets each dotted field (a dict from `parse_overrides`, or its list of items), the value
+  parsed by the field's type ("False" is False); ValueError names --set and the field."""
+  if not isinstance(overrides, dict):
+    overrides = parse_overrides(overrides)
+  for key, value in overrides.items():
+    try:
+      cli.set_field(config, key.strip(), value.strip())
+    except ValueError as e:
+      raise ValueError(f"--set: {e}") from None
+
+
+def memory_record(compiled) -> dict:
+  """`compiled.memory_analysis()` per device, in bytes, with peak_bytes = arguments +
+  temporaries + outputs that do not reuse a donated argument (an upper bound; XLA's own
+  peak_memory_in_bytes, kept beside it, came out barely above the arguments alone on the CPU
+  backend)."""
+  m = compiled.memory_analysis()
+  out = {"argument_bytes": int(m.argument_size_in_bytes),
+         "output_bytes": int(m.output_size_in_bytes),
+         "alias_bytes": int(m.alias_size_in_bytes),
+         "temp_bytes": int(m.temp_size_in_bytes)}
+  out["peak_bytes"] = (out["argument_bytes"] + out["temp_bytes"]
+                       + max(out["output_bytes"] - out["alias_bytes"], 0))
+  out["xla_peak_memory_bytes"] = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+  return out
+
+
+def random_batch(config, seed: int = 0, high: int | None = None) -> dict:
+  """{"tokens": ids uniform in [0, high or model.vocab_size), "segment_ids": ones}, int32
+  [train.batch_size, data.seq_len], on the host."""
+  rng = np.random.default_rng(seed)
+  B, S = config.train.batch_size, config.data.seq_len
+  high = config.model.vocab_size if high is None else high
+  return {"tokens": rng.integers(0, high, (B, S)).astype(np.int32),
+          "segment_ids": np.ones((B, S), np.int32)}

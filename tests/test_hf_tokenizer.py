@@ -15,7 +15,7 @@ import sentencepiece as spm
 from conftest import require, tiny_config
 
 from mtp_jax.convert import workdir
-from mtp_jax.data import pipeline, prepare, tokenizers
+from mtp_jax.data import corpus, pipeline, prepare, tokenizers
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * i)\n",
          "naïve café → λx: x², 漢字 and emoji 🙂\n",
@@ -126,7 +126,7 @@ def test_no_byte_fallback_warned_at_import_named_at_training(tmp_path):
                   r"characters \('.*no byte fallback", warning), warning
   assert "\n" not in warning
   assert workdir.check_coverage(tokenizers.ByteTokenizer(), "bytes") == ""
-  to_ids = pipeline._Tokenize(tok, False)
+  to_ids = corpus.Tokenize(tok, False)
   with pytest.raises(ValueError, match=r"^cannot encode text in src/x\.py: '\|' maps to the "
                      "unknown piece"):
     to_ids({"text": b"abc | def", "path": b"src/x.py"})

@@ -100,5 +100,9 @@ def test_machine_info_and_every_bench_record_names_its_machine():
     if name.endswith(".py"):
       with open(os.path.join(folder, name)) as f:
         src = f.read()
-      if "json.dump(" in src or ".write(text" in src:
-        assert "runtime.stamp(" in src or "machine_info()" in src, name
+      if "json.dump(" in src or ".write(text" in src or "common.emit(" in src:
+        # experiments/common.py's write_json / emit stamp what they write
+        assert ("runtime.stamp(" in src or "machine_info()" in src
+                or "common.emit(" in src or "common.write_json(" in src), name
+  with open(os.path.join(folder, "common.py")) as f:
+    assert "runtime.stamp(record)" in f.read()

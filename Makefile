@@ -37,7 +37,7 @@ lint: install
 	$(BIN)/ruff check .
 
 test: lint $(TPU_STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests --ignore=tests/tpu
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests --ignore=tests/tpu
 	$(MAKE) test-tpu
 
 # XLA:TPU ahead of time on this host (tests/tpu: the train step with splash attention compiled

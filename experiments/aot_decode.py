@@ -65,8 +65,10 @@ def forward_cost(model_args, k: int, batch: int, context: int, dtype, device) ->
                                  tree)
   toks = jnp.zeros((batch, k), jnp.int32)
   pos = context + jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
+  # The cache donated, as in a decoding loop, where it is updated in place: otherwise the
+  # estimate includes copying the whole cache into a new output buffer.
   f = jax.jit(lambda p, c, t, q: model.apply({"params": p}, t, positions_BxS=q, cache=c,
-                                             decoding=True))
+                                             decoding=True), donate_argnums=1)
   i32 = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec()))
   with jax.set_mesh(mesh), aot.unrolled_scans():  # the TPU's kernels; every loop counted

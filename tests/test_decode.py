@@ -212,22 +212,6 @@ def forced_costs(monkeypatch, tk_over_t1):
   monkeypatch.setattr(decode_lib, "_CHOICES", {})
 
 
-def test_auto_charges_each_loop_its_own_cost(trained, monkeypatch):
-  """Forwards timed at ~0 s: a candidate's seconds are then its loop's own seconds per cycle,
-  measured on the probe (the chain of all heads) and on plain decoding (T1)."""
-  args, params = trained
-  monkeypatch.setattr(decode_lib.costmodel, "forward_times",
-                      lambda params, args, trees, **kw: {t: 1e-9 for t in trees})
-  monkeypatch.setattr(decode_lib, "_CHOICES", {})
-  r = decode_lib.decode(params, args, RAGGED, k="auto", max_new_tokens=MAX_NEW, eos_id=-1,
-                        pad_id=PAD)
-  probe, table = r.auto["probe"], {row["heads"]: row for row in r.auto["table"]}
-  assert probe["plain_cycle_seconds"] > 0 and probe["cycle_seconds"] > 0
-  assert table[1]["forward_1_seconds"] == pytest.approx(probe["plain_cycle_seconds"])
-  assert table[4]["forward_seconds"] == pytest.approx(probe["cycle_seconds"])
-  assert table[2]["forward_seconds"] == pytest.approx(probe["cycle_seconds"])  # same factor
-
-
 @pytest.mark.parametrize("tk_over_t1, want", [(10.0, 1), (1.0, 4)])
 def test_auto_heads_follow_the_cost_model(trained, monkeypatch, tk_over_t1, want):
   """A k-token forward 10x a one-token one: speculation loses, auto runs plain decoding; as

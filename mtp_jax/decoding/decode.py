@@ -196,43 +196,35 @@ def choose(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k, tr
     cands = [c for c in cands if c.k == 1 or c.k == k or (c.k < k and max(c.spec) > 1)]
   probe = costmodel.union(cands)
   probe_tree = probe if trees else None
-  shape = dict(batch=batch, prompt_len=width, max_new_tokens=max_new_tokens, sampling=sampling)
-  dec = Decoder(params, args, k=probe.k, tree=probe_tree, **shape)
-  # Plain decoding too (its program is the one that runs if plain wins: compiled once, cached).
-  plain_dec = Decoder(params, args, k=1, **shape)
+  dec = Decoder(params, args, k=probe.k, batch=batch, prompt_len=width,
+                max_new_tokens=max_new_tokens, sampling=sampling, tree=probe_tree)
   # Seconds per cycle: runs of PROBE_CYCLES and of PROBE_CYCLES // 3 cycles (the difference
   # cancels the prefill and the call), the fastest of 3 interleaved rounds each.
-  runs = {(d, c): [] for d in (dec, plain_dec) for c in (PROBE_CYCLES // 3, PROBE_CYCLES)}
+  runs = {c: [] for c in (PROBE_CYCLES // 3, PROBE_CYCLES)}
   for _ in range(3):
-    for (d, c), rs in runs.items():
-      rs.append(d(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c, **sample_kw))
-
-  def cycle_seconds(d):
-    short, full = runs[d, PROBE_CYCLES // 3], runs[d, PROBE_CYCLES]
-    return ((min(x.seconds for x in full) - min(x.seconds for x in short))
-            / max(full[0].forwards - short[0].forwards, 1))
-  r = runs[dec, PROBE_CYCLES][0]  # the acceptance histograms (every round decodes the same)
+    for c, rs in runs.items():
+      rs.append(dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c, **sample_kw))
+  short, full = runs[PROBE_CYCLES // 3], runs[PROBE_CYCLES]
+  r = full[0]  # the acceptance histograms (every round decodes the same)
+  cycle_seconds = ((min(x.seconds for x in full) - min(x.seconds for x in short))
+                   / max(r.forwards - short[0].forwards, 1))
   context = width + max_new_tokens // 2
 
   times = costmodel.forward_times(params, args, [costmodel.chain(1), probe] + cands,
                                   batch=batch, context=context)
-  # Each loop's own cost beyond its forward (acceptance, drafting, cache bookkeeping, a tree's
-  # compaction; plain decoding's sampling and bookkeeping): seconds per cycle over the window's
-  # forward timed in a loop (`costmodel.forward_times`), measured on the probe for every
-  # speculative candidate and on plain decoding for T1.
-  one = costmodel.chain(1)
-  loop_factor = max(1.0, cycle_seconds(dec) / times[probe])
-  plain_factor = max(1.0, cycle_seconds(plain_dec) / times[one])
-  seconds = lambda c: (times[one] * plain_factor,
-                       times[c] * (loop_factor if c.k > 1 else plain_factor))
+  # The loop's own cost (acceptance, drafting, cache bookkeeping) beyond the forward, measured on
+  # the probe: its seconds per cycle over its window's forward timed in a loop
+  # (`costmodel.forward_times`), applied to every speculative candidate (plain decoding's loop
+  # adds little: measured, docs/decoding.md).
+  loop_factor = max(1.0, cycle_seconds / times[probe])
+  seconds = lambda c: (times[costmodel.chain(1)], times[c] * (loop_factor if c.k > 1 else 1.0))
 
   picked = costmodel.choose(r.rows_hist, probe, cands, seconds)
   best = picked.pop("tree")
   out = dict(picked, heads=best.k, tree=best if len(best.spec) and max(best.spec) > 1 else None,
              probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
                     "tokens_per_forward": r.tokens_per_forward, "loop_factor": loop_factor,
-                    "cycle_seconds": cycle_seconds(dec), "plain_loop_factor": plain_factor,
-                    "plain_cycle_seconds": cycle_seconds(plain_dec)},
+                    "cycle_seconds": cycle_seconds},
              seconds=time.perf_counter() - t0)
   _CHOICES[key] = out
   return out

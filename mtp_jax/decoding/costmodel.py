@@ -104,19 +104,23 @@ def _forward_fn(params, args, tree: Tree, batch, context):
   else:
     pos = context + jnp.broadcast_to(jnp.arange(width), (batch, width))
 
-  def body(p, carry):
+  def body(p, w_DxV, carry):
     toks_BxW, c = carry
     h_KxBxWxD, c = model.apply({"params": p}, toks_BxW, seg, positions_BxS=pos, cache=c,
                                decoding=True)
-    w_DxV = unembedding(p, a)[:, :a.vocab_size]
     out_BxW = jnp.argmax(h_KxBxWxD[0] @ w_DxV, -1)  # head 1 verifies every window token
     if k > 1:  # the drafting heads, at one slot (greedy cycles unembed them there only)
       out_BxW = out_BxW + jnp.argmax(h_KxBxWxD[1:, :, :1] @ w_DxV, -1).sum(0)
     return out_BxW.astype(jnp.int32) % a.vocab_size, c
 
   # params are arguments, as in the decoding loops (closed over, they would be compiled in as
-  # constants: another program than the one being modelled)
-  f = jax.jit(lambda p, c, n: jax.lax.fori_loop(0, n, lambda _, x: body(p, x), (toks, c))[0])
+  # constants: another program than the one being modelled); the unembedding is taken once,
+  # before the loop, as decode_chain does (XLA:CPU does not hoist it out of a loop body)
+  def run(p, c, n):
+    w_DxV = unembedding(p, a)[:, :a.vocab_size]
+    return jax.lax.fori_loop(0, n, lambda _, x: body(p, w_DxV, x), (toks, c))[0]
+
+  f = jax.jit(run)
   jax.block_until_ready(f(p, cache, LOOP_COUNTS[-1]))
   return lambda n: jax.block_until_ready(f(p, cache, n))
 

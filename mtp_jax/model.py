@@ -20,10 +20,22 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from mtp_jax import attention
 from mtp_jax import heads
 from mtp_jax import validation
 from mtp_jax.model_args import ModelArgs
 from mtp_jax.layers import Block, init_cache, norm_param, remat
+
+
+def trunk_unroll(a: ModelArgs) -> int:
+  """Layers per iteration of the scanned trunk: model.scan_unroll, or for 0 (auto) all of them
+  when compiling for a single CPU device (the mesh in context, else the default backend's
+  devices), one elsewhere (static: called while tracing)."""
+  if a.scan_unroll:
+    return min(a.scan_unroll, a.n_trunk)
+  mesh = jax.sharding.get_abstract_mesh()
+  devices = jax.device_count() if mesh.empty else mesh.size
+  return a.n_trunk if attention.target_platform() == "cpu" and devices == 1 else 1
 
 
 class Trunk(nn.Module):
@@ -41,6 +53,7 @@ class Trunk(nn.Module):
     if a.scan_layers:
       stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, nn.broadcast, 0), length=a.n_trunk,
+                      unroll=trunk_unroll(a),
                       metadata_params={nn.PARTITION_NAME: "layers"})
       return stack(a, name="layers")(x_BxSxD, positions_BxS, segment_ids_BxS, cache)
     per_layer = isinstance(cache, list)  # init_decode_cache's layout for an unrolled trunk

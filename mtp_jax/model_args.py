@@ -48,6 +48,11 @@ class ModelArgs:
   n_future: int = 1
   remat_policy: str = "none"
   scan_layers: bool = True
+  # Trunk layers per iteration of the scanned loop (scan_layers; params stacked either way):
+  # 0 = auto: every layer, no loop, when compiled for one CPU device (the loop's stacked
+  # residuals, zero-filled, written and read back by dynamic slices, cost XLA:CPU ~20% of a
+  # train step: docs/cpu_speed.md), else 1 (compile time flat in depth); k: k per iteration.
+  scan_unroll: int = 0
   # Compute dtype (params stay float32): a name in the config, a jnp dtype in the instance
   # model.model_args builds.
   dtype: Any = "float32"

@@ -114,6 +114,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       _fail(f"model.{field}", f"must be >= 1, got {getattr(m, field)}")
   if m.n_future < 1:
     _fail("model.n_future", f"must be >= 1, got {m.n_future}")
+  if m.scan_unroll < 0:
+    _fail("model.scan_unroll", f"must be 0 (auto) or >= 1 layers per loop iteration, got "
+          f"{m.scan_unroll}")
   _validate_heads(c)
   family_checks.validate_family(c, _fail, _choice)
   if m.n_heads % m.n_kv_heads:

@@ -79,6 +79,7 @@ def test_packed_documents_do_not_see_each_other(dependencies):
 @pytest.mark.parametrize("kind", ["parallel", "projection"])
 def test_scan_equals_unrolled(make_config, make_model, kind):
   c = make_config(kind, 2)
+  c.model.scan_unroll = 1  # the scanned loop (auto would unroll it on this one CPU device)
   model, params = make_model(c)
   c.model.scan_layers = False
   unrolled = build_model(c)
@@ -109,6 +110,41 @@ def test_scan_equals_unrolled(make_config, make_model, kind):
   np.testing.assert_allclose(h_cu, h_c, rtol=1e-5, atol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                cache_u, cache_s)
+
+
+def test_scan_unroll_same_maths_and_auto_by_target(make_config, make_model):
+  """model.scan_unroll (layers per iteration of the scanned trunk; params stacked either way):
+  the loop (1), a partial unroll with a remainder (2 of 3 layers) and auto (0: every layer on
+  one CPU device) give the same outputs and gradients; auto compiles without the trunk's loops here,
+  and resolves to the loop under a multi-device or TPU mesh."""
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+  from mtp_jax.model import trunk_unroll
+  models = {}
+  for unroll in (1, 2, 0):
+    c = make_config("parallel", 1)
+    c.model.scan_unroll = unroll
+    models[unroll], params = make_model(c)
+  args = models[0].args
+  assert args.n_trunk == 3 and trunk_unroll(args) == 3
+  for shape, platform in (((2, 1, 1), "cpu"), ((1, 1, 1), "tpu")):
+    mesh = AbstractMesh(shape, ("data", "fsdp", "tensor"), abstract_device=AbstractDevice(
+        device_kind=platform, num_cores=1, platform=platform))
+    with use_abstract_mesh(mesh):
+      assert trunk_unroll(args) == 1, (shape, platform)
+  tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 16), 0, 61)
+  r = jax.random.normal(jax.random.PRNGKey(5), (1, 2, 16, 32))
+
+  def grads(m):
+    return jax.jit(jax.value_and_grad(
+        lambda p: jnp.sum(m.apply({"params": p}, tokens)[0] * r)))
+  want_loss, want = grads(models[1])(params)
+  for unroll in (2, 0):
+    loss, got = grads(models[unroll])(params)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), got, want)
+  hlo = {u: grads(models[u]).lower(params).compile().as_text() for u in (1, 0)}
+  loops = {u: text.count(" while(") for u, text in hlo.items()}  # + the embedding's scatter
+  assert loops[1] == loops[0] + 2, loops  # the trunk's forward and backward loops
 
 
 @pytest.mark.parametrize("kind", ["parallel", "sequential"])

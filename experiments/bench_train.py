@@ -189,7 +189,8 @@ def peer(args, overrides):
            "n_layers": c.model.n_layers, "n_heads": c.model.n_heads,
            "n_kv_heads": c.model.n_kv_heads, "d_ff": c.model.d_ff, "dtype": c.model.dtype,
            "attention_impl": c.model.attention_impl, "remat_policy": c.model.remat_policy,
-           "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0],
+           "cpu_count": os.cpu_count(), "cpus": sorted(os.sched_getaffinity(0)),
+           "load_avg_1min": os.getloadavg()[0],
            "torch_threads": t["torch_threads"], "torch_version": t["torch_version"],
            "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "rounds": args.steps,
@@ -218,6 +219,23 @@ def peer(args, overrides):
   return records
 
 
+def _parse_cpus(text: str) -> set[int]:
+  """--cpus "0", "0,1", "0-3" -> {CPU numbers}; ValueError names the flag and what is allowed."""
+  if not text:
+    return set()
+  cpus = set()
+  try:
+    for part in text.split(","):
+      lo, _, hi = part.partition("-")
+      cpus.update(range(int(lo), int(hi or lo) + 1))
+  except ValueError:
+    raise ValueError(f"--cpus: a list like 0 or 0,1 or 0-3, got {text!r}") from None
+  allowed = os.sched_getaffinity(0)
+  if not cpus or not cpus <= allowed:
+    raise ValueError(f"--cpus: CPUs this process may use are {sorted(allowed)}, got {text!r}")
+  return cpus
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--config", default="configs/default.py")
@@ -233,13 +251,20 @@ def main():
                   "set apart (1: one step per round, the old protocol)")
   ap.add_argument("--in_process", action="store_true",
                   help="--peer: both frameworks in this one process (slows JAX; see README)")
+  ap.add_argument("--cpus", default="",
+                  help="run on these CPUs only, e.g. 0 or 0-1 (os.sched_setaffinity, inherited by "
+                  "the --peer workers; PyTorch and XLA size their thread pools to it): one core "
+                  "compares the frameworks' single-thread work, all of them adds their threading")
   ap.add_argument("--peer_worker", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   try:  # bad input fails here, before any compile
     overrides = common.parse_overrides(args.set)
     common.apply_overrides(load_file(args.config), overrides)
+    cpus = _parse_cpus(args.cpus)
   except ValueError as e:
     ap.error(str(e))
+  if cpus:
+    os.sched_setaffinity(0, cpus)
   if args.peer_worker:
     return peer_worker(args, overrides)
   if args.peer:

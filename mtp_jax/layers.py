@@ -28,6 +28,73 @@ def dense_init(axes):
   return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
 
 
+def one_cpu_device() -> bool:
+  """Whether this trace compiles for a single CPU device: the mesh in context (its devices may
+  be abstract), else the default backend's devices (static: called while tracing). What the CPU
+  choices (`fuse_projections`, `scan_unroll` auto) key on."""
+  mesh = jax.sharding.get_abstract_mesh()
+  devices = jax.device_count() if mesh.empty else mesh.size
+  return attention.target_platform() == "cpu" and devices == 1
+
+
+def fuse_projections(a: ModelArgs) -> bool:
+  """model.fuse_projections resolved: "on", "off", or for "auto" `one_cpu_device()`."""
+  return a.fuse_projections == "on" or (a.fuse_projections == "auto" and one_cpu_device())
+
+
+class DenseParams(nn.Module):
+  """The kernel (and bias) that `nn.DenseGeneral(features)` over the last input axis creates:
+  same names, shapes, init (drawn flat [fan_in, prod(features)], then reshaped) and logical axes,
+  without its matmul, so that several projections of one input run as one (`fused_dense`)."""
+  features: tuple[int, ...]
+  axes: tuple[str, ...]
+  use_bias: bool = False
+
+  @nn.compact
+  def __call__(self, in_features: int):
+    init = dense_init(self.axes)
+
+    def kernel_init(rng, shape, dtype=jnp.float32):
+      flat = init(rng, (in_features, math.prod(self.features)), dtype)
+      return nn.meta.replace_boxed(flat, jnp.reshape(flat.unbox(), shape))
+    kernel = self.param("kernel", kernel_init, (in_features, *self.features), jnp.float32)
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                             self.axes[1:]),
+                        self.features, jnp.float32)
+    return kernel, bias
+
+
+def fused_dense(x_TxD, params, dtype):
+  """[x @ kernel_i (+ bias_i) for (kernel_i, bias_i) in params] as ONE matmul against the kernels
+  concatenated on their output axis, then split: the backward's weight gradient is one GEMM and
+  its input gradient one GEMM instead of one per projection plus their sum. Same maths as a
+  DenseGeneral per projection (kernels [D, *features])."""
+  widths = [math.prod(k.shape[1:]) for k, _ in params]
+  w_DxN = jnp.concatenate([k.reshape(k.shape[0], -1) for k, _ in params], axis=1)
+  y_TxN = jnp.dot(x_TxD.astype(dtype), w_DxN.astype(dtype))
+  if params[0][1] is not None:
+    y_TxN = y_TxN + jnp.concatenate([b.reshape(-1) for _, b in params]).astype(dtype)
+  outs = jnp.split(y_TxN, np.cumsum(widths)[:-1], axis=1)
+  return [o.reshape(x_TxD.shape[0], *k.shape[1:]) for o, (k, _) in zip(outs, params)]
+
+
+def projections(module: nn.Module, x_BxSxD, specs, use_bias: bool, dtype, fused: bool):
+  """One projection of x per (features, logical axes, name) in `specs`, each a child named
+  `name` with DenseGeneral's params: as one matmul (`fused_dense`) or one DenseGeneral each."""
+  B, S, D = x_BxSxD.shape
+  if fused:
+    params = [DenseParams(f, axes, use_bias, parent=module, name=name)(D)
+              for f, axes, name in specs]
+    return [y.reshape(B, S, *y.shape[1:])
+            for y in fused_dense(x_BxSxD.reshape(B * S, D), params, dtype)]
+  return [tokens_2d(nn.DenseGeneral(
+      f, use_bias=use_bias, dtype=dtype, kernel_init=dense_init(axes),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]), parent=module,
+      name=name))(x_BxSxD) for f, axes, name in specs]
+
+
 def remat(module_cls, policy: str, static_argnums=()):
   """Wraps a module class in nn.remat with the configured checkpoint policy ('none': as is)."""
   if policy == "none":
@@ -138,12 +205,11 @@ class Attention(nn.Module):
   def __call__(self, x_BxSxD, positions_BxS, segment_ids_BxS=None, cache: Cache | None = None):
     a = self.args
     H, K, E = a.n_heads, a.n_kv_heads, a.head_dim
-    proj = lambda feats, axes, name: nn.DenseGeneral(
-        feats, use_bias=a.qkv_bias, dtype=a.dtype, kernel_init=dense_init(axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]), name=name)
-    q_BxSxHxE = tokens_2d(proj((H, E), ("embed", "heads", "head_dim"), "wq"))(x_BxSxD)
-    k_BxSxKxE = tokens_2d(proj((K, E), ("embed", "kv_heads", "head_dim"), "wk"))(x_BxSxD)
-    v_BxSxKxE = tokens_2d(proj((K, E), ("embed", "kv_heads", "head_dim"), "wv"))(x_BxSxD)
+    q_BxSxHxE, k_BxSxKxE, v_BxSxKxE = projections(
+        self, x_BxSxD, [((H, E), ("embed", "heads", "head_dim"), "wq"),
+                        ((K, E), ("embed", "kv_heads", "head_dim"), "wk"),
+                        ((K, E), ("embed", "kv_heads", "head_dim"), "wv")],
+        a.qkv_bias, a.dtype, fuse_projections(a))
     if a.qk_norm:  # Qwen3: per-head RMSNorm of q and k, before RoPE
       q_BxSxHxE = rms_norm(q_BxSxHxE, norm_param(self, "q_norm", E), a.norm_eps)
       k_BxSxKxE = rms_norm(k_BxSxKxE, norm_param(self, "k_norm", E), a.norm_eps)
@@ -179,14 +245,12 @@ class SwiGLU(nn.Module):
   @nn.compact
   def __call__(self, x_BxSxD):
     a = self.args
-    dense = lambda feats, axes, name: nn.Dense(
-        feats, use_bias=False, dtype=a.dtype, kernel_init=dense_init(axes), name=name)
-
-    def mlp(x_TxD):
-      gate_TxF = dense(a.d_ff, ("embed", "mlp"), "w1")(x_TxD)
-      up_TxF = dense(a.d_ff, ("embed", "mlp"), "w3")(x_TxD)
-      return dense(a.d_model, ("mlp", "embed"), "w2")(nn.silu(gate_TxF) * up_TxF)
-    return tokens_2d(mlp)(x_BxSxD)
+    gate_BxSxF, up_BxSxF = projections(
+        self, x_BxSxD, [((a.d_ff,), ("embed", "mlp"), "w1"), ((a.d_ff,), ("embed", "mlp"), "w3")],
+        False, a.dtype, fuse_projections(a))
+    return tokens_2d(nn.Dense(a.d_model, use_bias=False, dtype=a.dtype,
+                              kernel_init=dense_init(("mlp", "embed")), name="w2"))(
+        nn.silu(gate_BxSxF) * up_BxSxF)
 
 
 class Block(nn.Module):

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from mtp_jax import attention
 from mtp_jax import heads
 from mtp_jax import validation
 from mtp_jax.model_args import ModelArgs
+from mtp_jax import layers
 from mtp_jax.layers import Block, init_cache, norm_param, remat
 
 
@@ -33,9 +33,7 @@ def trunk_unroll(a: ModelArgs) -> int:
   devices), one elsewhere (static: called while tracing)."""
   if a.scan_unroll:
     return min(a.scan_unroll, a.n_trunk)
-  mesh = jax.sharding.get_abstract_mesh()
-  devices = jax.device_count() if mesh.empty else mesh.size
-  return a.n_trunk if attention.target_platform() == "cpu" and devices == 1 else 1
+  return a.n_trunk if layers.one_cpu_device() else 1
 
 
 class Trunk(nn.Module):

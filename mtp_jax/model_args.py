@@ -53,6 +53,11 @@ class ModelArgs:
   # residuals, zero-filled, written and read back by dynamic slices, cost XLA:CPU ~20% of a
   # train step: docs/cpu_speed.md), else 1 (compile time flat in depth); k: k per iteration.
   scan_unroll: int = 0
+  # q|k|v (and the MLP's w1|w3) as one matmul against their kernels concatenated ("on"), or one
+  # matmul each ("off"); "auto": on when compiled for one CPU device (on two Xeon cores one
+  # wide GEMM beats three narrow ones: docs/cpu_speed.md), off elsewhere (under a tensor-parallel
+  # mesh the concatenation would move kernel shards). Same parameters either way.
+  fuse_projections: str = "auto"
   # Compute dtype (params stay float32): a name in the config, a jnp dtype in the instance
   # model.model_args builds.
   dtype: Any = "float32"

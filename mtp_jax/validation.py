@@ -114,6 +114,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       _fail(f"model.{field}", f"must be >= 1, got {getattr(m, field)}")
   if m.n_future < 1:
     _fail("model.n_future", f"must be >= 1, got {m.n_future}")
+  if m.fuse_projections not in ("auto", "on", "off"):
+    _fail("model.fuse_projections", f"must be auto, on or off, got {m.fuse_projections!r}")
   if m.scan_unroll < 0:
     _fail("model.scan_unroll", f"must be 0 (auto) or >= 1 layers per loop iteration, got "
           f"{m.scan_unroll}")

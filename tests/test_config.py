@@ -61,6 +61,9 @@ BAD = [
      "model.heads.seq_concat", "'emb_first'"),
     ("unknown_remat_policy", _set("model.remat_policy", "some"), "model.remat_policy",
      "'dots_saveable'"),
+    ("unknown_fuse_projections", _set("model.fuse_projections", "yes"),
+     "model.fuse_projections", "auto, on or off"),
+    ("negative_scan_unroll", _set("model.scan_unroll", -1), "model.scan_unroll", "0 (auto)"),
 ]
 
 

@@ -147,6 +147,52 @@ def test_scan_unroll_same_maths_and_auto_by_target(make_config, make_model):
   assert loops[1] == loops[0] + 2, loops  # the trunk's forward and backward loops
 
 
+def test_fused_projections_same_params_and_maths(make_config):
+  """model.fuse_projections: q|k|v (with Qwen2's biases and Qwen3's q/k norms) and w1|w3 as one
+  matmul each ("on") against a DenseGeneral per projection ("off"): the same parameter tree and
+  initial values (the real initialiser), outputs, gradients and cached decoding; "on" compiles
+  fewer dots; auto fuses on this one CPU device, not under a multi-device or TPU mesh."""
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+  from mtp_jax.layers import fuse_projections
+  models = {}
+  for mode in ("off", "on", "auto"):
+    c = make_config("parallel", 2)
+    c.model.update(fuse_projections=mode, qkv_bias=True, qk_norm=True)
+    models[mode] = build_model(c)
+  assert fuse_projections(models["auto"].args)
+  for shape, platform in (((2, 1, 1), "cpu"), ((1, 1, 1), "tpu")):
+    mesh = AbstractMesh(shape, ("data", "fsdp", "tensor"), abstract_device=AbstractDevice(
+        device_kind=platform, num_cores=1, platform=platform))
+    with use_abstract_mesh(mesh):
+      assert not fuse_projections(models["auto"].args), (shape, platform)
+  init = {m: jax.jit(lambda k, m=m: init_params(models[m], k))(jax.random.PRNGKey(0))
+          for m in ("off", "on")}
+  assert _shapes(init["on"]) == _shapes(init["off"])
+  jax.tree.map(np.testing.assert_array_equal, init["on"], init["off"])
+  # biases are zero at init: perturb every leaf so that each one shows in the outputs
+  params = jax.tree.map(lambda x, k: x + 0.1 * jax.random.normal(k, x.shape), init["off"],
+                        jax.tree.unflatten(jax.tree.structure(init["off"]), list(
+                            jax.random.split(jax.random.PRNGKey(1), len(jax.tree.leaves(
+                                init["off"]))))))
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 12), 0, 61)
+  positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  r = jax.random.normal(jax.random.PRNGKey(3), (2, 2, 12, 32))
+
+  def run(p, m):
+    loss, g = jax.value_and_grad(lambda p: jnp.sum(m.apply({"params": p}, tokens)[0] * r))(p)
+    h_cached, cache = m.apply({"params": p}, tokens, None, positions,
+                              init_decode_cache(m.args, 2, 16))
+    return loss, g, h_cached, cache
+  compiled = {m: jax.jit(run, static_argnums=1).lower(params, models[m]).compile()
+              for m in ("off", "on")}
+  want = compiled["off"](params)
+  got = compiled["on"](params)  # float sums in another order: tolerance scaled to each leaf
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-4, atol=2e-6 * max(1.0, float(np.abs(b).max()))), got, want)
+  dots = {m: compiled[m].as_text().count(" dot(") for m in compiled}
+  assert dots["on"] < dots["off"], dots
+
+
 @pytest.mark.parametrize("kind", ["parallel", "sequential"])
 def test_remat_equals_no_remat(make_config, make_model, kind):
   """remat_policy 'full' and 'dots_saveable' against 'none': same parameter tree, same outputs,

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from mtp_jax.heads.base import HeadKind, Shared, register
-from mtp_jax.layers import RMSNorm, dense_init, rms_norm
+from mtp_jax.layers import RMSNorm, dense_init, rms_norm, tokens_2d
 from mtp_jax.model_args import ModelArgs
 
 class ResidualMLP(nn.Module):
@@ -17,11 +17,13 @@ class ResidualMLP(nn.Module):
   def __call__(self, z_BxSxD):
     a = self.args
     y = RMSNorm(a.norm_eps, a.dtype, name="norm")(z_BxSxD)
-    y = nn.Dense(2 * a.d_model, use_bias=False, dtype=a.dtype,
-                 kernel_init=dense_init(("embed", "mlp")), name="up")(y)
-    y = nn.Dense(a.d_model, use_bias=False, dtype=a.dtype,
-                 kernel_init=dense_init(("mlp", "embed")), name="down")(nn.silu(y))
-    return z_BxSxD + y
+
+    def mlp(y_TxD):
+      y_TxF = nn.Dense(2 * a.d_model, use_bias=False, dtype=a.dtype,
+                       kernel_init=dense_init(("embed", "mlp")), name="up")(y_TxD)
+      return nn.Dense(a.d_model, use_bias=False, dtype=a.dtype,
+                      kernel_init=dense_init(("mlp", "embed")), name="down")(nn.silu(y_TxF))
+    return z_BxSxD + tokens_2d(mlp)(y)  # one token axis: XLA:CPU's fast weight gradient
 
 
 @register("projection")

@@ -154,7 +154,7 @@ _IN_ONE = ([("module", "mtp_jax.data.prepare", []), ("module", "mtp_jax.evaluati
                "", "meta", "deepseek", "from-hf", "to-hf", "to-meta", "to-deepseek")]
            + [("module", "mtp_jax.data.tokenizers", [sub]) for sub in ("", "train")]
            + [("script", f"experiments/{s}.py", []) for s in (
-               "analyze_sweep", "bench_accel", "bench_cpu_defaults", "bench_data",
+               "analyze_sweep", "bench_accel", "bench_cpu_defaults", "bench_cpu_dots", "bench_data",
                "bench_decode", "bench_decode_hf", "bench_finetune", "bench_memory", "bench_sandbox",
                "bench_train",
                "decode_acceptance", "demo_report", "distill_heads", "plan_memory",

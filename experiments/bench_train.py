@@ -16,6 +16,12 @@ process (as a user runs either one) that builds its step and then waits; the dri
 for one step each, round after round, and reports tokens/s and the ratio, both of medians and as
 the median same-round ratio. `--in_process` runs all four in this one process instead (PyTorch's
 steps then slow the JAX steps down; README, "CPU speed").
+
+`--ab "model.fuse_projections=off"` judges one change: the projection-heads train step with the
+`--set` overrides and the same step with these on top, both compiled in this one process, their
+`--burst` steps each in turn for `--steps` rounds (n_future 1 and 4; `--ab_kind`); reports
+the base's speed over the variant's as the median same-round ratio and its quartiles. On a noisy
+machine this is what tells a 5% change from noise; separate processes timed apart do not.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import numpy as np
 
 from experiments import common
 from mtp_jax import steps as steps_lib
+from mtp_jax import validation
 from mtp_jax.config import load_file
 from mtp_jax.model import param_count
 
@@ -219,6 +226,43 @@ def peer(args, overrides):
   return records
 
 
+def ab(args, overrides):
+  """Base (`--set`) against base + `--ab` overrides, in this process, steps alternated."""
+  extra = common.parse_overrides(args.ab.split(","))
+  records = []
+  for n in (1, 4):
+    runs = [setup(args.config, args.ab_kind, n, overrides),
+            setup(args.config, args.ab_kind, n, {**overrides, **extra})]
+    for r in runs:
+      for _ in range(max(args.warmup, 1)):
+        r["state"], m = r["step"](r["state"], r["batch"])
+        jax.block_until_ready(m)
+    times = [[], []]
+    for _ in range(args.steps):  # a round: each takes --burst steps back to back, as in training
+      for r, t in zip(runs, times):
+        burst = []
+        for _ in range(max(args.burst, 1)):
+          start = time.perf_counter()
+          r["state"], m = r["step"](r["state"], r["batch"])
+          jax.block_until_ready(m)
+          burst.append(time.perf_counter() - start)
+        t.append(float(np.median(burst[1:] or burst)))  # the first after the other's turn apart
+    ratio = np.asarray(times[1]) / np.asarray(times[0])  # > 1: the base is faster
+    rec = {"kind": args.ab_kind, "n_future": n, "base_overrides": overrides, "ab": extra,
+           "rounds": args.steps, "burst": args.burst, "base_step_seconds": times[0],
+           "ab_step_seconds": times[1],
+           "base_over_ab_speed_same_round_median": float(np.median(ratio)),
+           "quartiles": [float(np.percentile(ratio, 25)), float(np.percentile(ratio, 75))],
+           "cpus": sorted(os.sched_getaffinity(0)), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
+    records.append(rec)
+    speed, (q1, q3) = rec["base_over_ab_speed_same_round_median"], rec["quartiles"]
+    print(f"n_future {n}: base {np.median(times[0]):.3f} s, with {args.ab} "
+          f"{np.median(times[1]):.3f} s; base / variant speed {speed:.3f}x "
+          f"(quartiles {q1:.3f}-{q3:.3f})", flush=True)
+  return records
+
+
 def _parse_cpus(text: str) -> set[int]:
   """--cpus "0", "0,1", "0-3" -> {CPU numbers}; ValueError names the flag and what is allowed."""
   if not text:
@@ -255,18 +299,29 @@ def main():
                   help="run on these CPUs only, e.g. 0 or 0-1 (os.sched_setaffinity, inherited by "
                   "the --peer workers; PyTorch and XLA size their thread pools to it): one core "
                   "compares the frameworks' single-thread work, all of them adds their threading")
+  ap.add_argument("--ab", default="",
+                  help="overrides like model.fuse_projections=off (comma-separated): time the "
+                  "step with and without them in this process, steps alternated")
+  ap.add_argument("--ab_kind", default="projection", help="--ab: the head kind")
   ap.add_argument("--peer_worker", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   try:  # bad input fails here, before any compile
     overrides = common.parse_overrides(args.set)
     common.apply_overrides(load_file(args.config), overrides)
     cpus = _parse_cpus(args.cpus)
+    if args.ab:
+      c = load_file(args.config)
+      common.apply_overrides(c, {**overrides, **common.parse_overrides(args.ab.split(","))})
+      validation.validate(c)
   except ValueError as e:
     ap.error(str(e))
   if cpus:
     os.sched_setaffinity(0, cpus)
   if args.peer_worker:
     return peer_worker(args, overrides)
+  if args.ab:
+    common.write_json(ab(args, overrides), args.json)
+    return
   if args.peer:
     records = peer(args, overrides)
     common.write_json(records, args.json)

@@ -310,8 +310,12 @@ def main():
     common.apply_overrides(load_file(args.config), overrides)
     cpus = _parse_cpus(args.cpus)
     if args.ab:
+      try:
+        extra = common.parse_overrides(args.ab.split(","))
+      except ValueError as e:
+        raise ValueError(str(e).replace("--set:", "--ab:", 1)) from None
       c = load_file(args.config)
-      common.apply_overrides(c, {**overrides, **common.parse_overrides(args.ab.split(","))})
+      common.apply_overrides(c, {**overrides, **extra})
       validation.validate(c)
   except ValueError as e:
     ap.error(str(e))

@@ -91,6 +91,20 @@ def test_convert_command_line(argv, rc, stream, text):
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+@pytest.mark.parametrize("ab, text", [
+    ("model.fuse_projections=maybe", "config.model.fuse_projections: must be auto, on or off"),
+    ("model.d_model", "--ab: expected KEY=VALUE, got 'model.d_model'"),
+])
+def test_bench_train_ab_bad_input(ab, text):
+  """bench_train --ab (one change judged in one process): bad input is one error line and exit
+  status 2, before anything compiles."""
+  p = subprocess.run([sys.executable, "experiments/bench_train.py", "--ab", ab],
+                     capture_output=True, text=True, timeout=120, cwd=ROOT,
+                     env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+  assert p.returncode == 2, p.stdout + p.stderr
+  assert text in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_run_turns_value_error_into_exit_2(capsys, monkeypatch):
   def main(argv):
     raise ValueError(f"--x: bad {argv}")

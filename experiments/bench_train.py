@@ -226,26 +226,26 @@ def peer(args, overrides):
   return records
 
 
-def ab(args, overrides):
-  """Base (`--set`) against base + `--ab` overrides, in this process, steps alternated."""
-  extra = common.parse_overrides(args.ab.split(","))
+def _stepping(run):
+  """A no-argument step of a `setup` record (its state carried in the record): for `_burst`."""
+  def step():
+    run["state"], m = run["step"](run["state"], run["batch"])
+    jax.block_until_ready(m)
+  return step
+
+
+def ab(args, overrides, extra):
+  """Base (`--set`) against base + `extra` (`--ab`) overrides, in this process, alternated."""
   records = []
   for n in (1, 4):
-    runs = [setup(args.config, args.ab_kind, n, overrides),
-            setup(args.config, args.ab_kind, n, {**overrides, **extra})]
-    for r in runs:
-      for _ in range(max(args.warmup, 1)):
-        r["state"], m = r["step"](r["state"], r["batch"])
-        jax.block_until_ready(m)
+    steps = [_stepping(setup(args.config, args.ab_kind, n, o))
+             for o in (overrides, {**overrides, **extra})]
+    for step in steps:
+      _burst(step, max(args.warmup, 1))
     times = [[], []]
     for _ in range(args.steps):  # a round: each takes --burst steps back to back, as in training
-      for r, t in zip(runs, times):
-        burst = []
-        for _ in range(max(args.burst, 1)):
-          start = time.perf_counter()
-          r["state"], m = r["step"](r["state"], r["batch"])
-          jax.block_until_ready(m)
-          burst.append(time.perf_counter() - start)
+      for step, t in zip(steps, times):
+        burst = [s for s, _ in _burst(step, max(args.burst, 1))]
         t.append(float(np.median(burst[1:] or burst)))  # the first after the other's turn apart
     ratio = np.asarray(times[1]) / np.asarray(times[0])  # > 1: the base is faster
     rec = {"kind": args.ab_kind, "n_future": n, "base_overrides": overrides, "ab": extra,
@@ -309,6 +309,7 @@ def main():
     overrides = common.parse_overrides(args.set)
     common.apply_overrides(load_file(args.config), overrides)
     cpus = _parse_cpus(args.cpus)
+    extra = {}
     if args.ab:
       try:
         extra = common.parse_overrides(args.ab.split(","))
@@ -324,26 +325,22 @@ def main():
   if args.peer_worker:
     return peer_worker(args, overrides)
   if args.ab:
-    common.write_json(ab(args, overrides), args.json)
+    common.write_json(ab(args, overrides, extra), args.json)
     return
   if args.peer:
     records = peer(args, overrides)
     common.write_json(records, args.json)
     return
   runs = {v: setup(args.config, *v, overrides) for v in VARIANTS}
+  steps = {v: _stepping(r) for v, r in runs.items()}
   for _ in range(args.warmup):
-    for r in runs.values():
-      r["state"], m = r["step"](r["state"], r["batch"])
-      jax.block_until_ready(m)
+    for step in steps.values():
+      step()
   times = {v: [] for v in VARIANTS}
   for _ in range(args.steps):  # interleaved: noise hits every variant alike
-    for v, r in runs.items():
-      burst = []
-      for _ in range(max(args.burst, 1)):  # back to back; the first after idling kept out
-        t = time.perf_counter()
-        r["state"], m = r["step"](r["state"], r["batch"])
-        jax.block_until_ready(m)
-        burst.append(time.perf_counter() - t)
+    for v, step in steps.items():
+      # back to back; the first after idling kept out
+      burst = [s for s, _ in _burst(step, max(args.burst, 1))]
       times[v].append(float(np.median(burst[1:] or burst)))
   base = float(np.median(times[("parallel", 1)]))
   records = []

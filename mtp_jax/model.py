@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import ml_collections
 
 from mtp_jax import heads
+from mtp_jax import layers
 from mtp_jax import validation
 from mtp_jax.model_args import ModelArgs
-from mtp_jax import layers
 from mtp_jax.layers import Block, init_cache, norm_param, remat
 
 

@@ -170,10 +170,10 @@ def test_fused_projections_same_params_and_maths(make_config):
   assert _shapes(init["on"]) == _shapes(init["off"])
   jax.tree.map(np.testing.assert_array_equal, init["on"], init["off"])
   # biases are zero at init: perturb every leaf so that each one shows in the outputs
-  params = jax.tree.map(lambda x, k: x + 0.1 * jax.random.normal(k, x.shape), init["off"],
-                        jax.tree.unflatten(jax.tree.structure(init["off"]), list(
-                            jax.random.split(jax.random.PRNGKey(1), len(jax.tree.leaves(
-                                init["off"]))))))
+  leaves, treedef = jax.tree.flatten(init["off"])
+  keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+  params = treedef.unflatten([x + 0.1 * jax.random.normal(k, x.shape)
+                              for x, k in zip(leaves, keys)])
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 12), 0, 61)
   positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
   r = jax.random.normal(jax.random.PRNGKey(3), (2, 2, 12, 32))

@@ -201,11 +201,24 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
       if segment_ids_BxS is not None:
         same_BxSbxTi = segment_ids_BxS[:, lo:hi, None] == segment_ids_BxS[:, None, :Ti]
         bias = bias + _bias(same_BxSbxTi)[:, None, None]
-    probs = jax.nn.softmax(logits_BxKxGxSbxTi + bias, axis=-1).astype(dtype)
-    outs.append(jnp.einsum("bkqt,bkte->bkqe", probs.reshape(B, K, G * Sb, Ti),
-                           v_BxKxTxE[:, :, :Ti]).reshape(B, K, G, Sb, E))
+    outs.append(_softmax_times_v((logits_BxKxGxSbxTi + bias).reshape(B, K, G * Sb, Ti),
+                                 v_BxKxTxE[:, :, :Ti], dtype).reshape(B, K, G, Sb, E))
   out_BxKxGxSxE = outs[0] if n_blocks == 1 else jnp.concatenate(outs, axis=3)
   return out_BxKxGxSxE.transpose(0, 3, 1, 2, 4).reshape(B, S, H, E)
+
+
+def _softmax_times_v(logits_BxKxQxT, v_BxKxTxE, dtype):
+  """softmax(logits) v, normalised after the matmul as flash attention does: p = exp(logits -
+  max) and its row sums l, then (p v) / l. The division runs over [Q, E] instead of [Q, T], and
+  with the max held constant (softmax does not depend on it) the backward pass is p * (dP -
+  rowsum(dO * out)) / l, a sum over E, not T: one elementwise pass over [Q, T] where softmax's
+  gradient takes two (measured 1.04x on a layer's attention forward + backward, AVX-512 Xeon)."""
+  max_BxKxQx1 = jax.lax.stop_gradient(jnp.max(logits_BxKxQxT, axis=-1, keepdims=True))
+  p_BxKxQxT = jnp.exp(logits_BxKxQxT - max_BxKxQx1)
+  sum_BxKxQx1 = jnp.sum(p_BxKxQxT, axis=-1, keepdims=True)
+  out_BxKxQxE = jnp.einsum("bkqt,bkte->bkqe", p_BxKxQxT.astype(dtype), v_BxKxTxE,
+                           preferred_element_type=jnp.float32)
+  return (out_BxKxQxE / sum_BxKxQx1).astype(dtype)
 
 
 def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,

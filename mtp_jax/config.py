@@ -94,6 +94,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 16
   c.train.grad_accum = 1
+  # Row slices of each (micro-)batch whose gradients run side by side and are summed (exact up
+  # to summation order); on a CPU with as many slices as cores each runs single-threaded
+  # matmuls. 0 = auto: 2 on one CPU device with 2 cores, else 1 (steps.batch_slices).
+  c.train.batch_slices = 0
   c.train.steps = 1000  # the schedule's length
   c.train.stop_at = 0  # > 0: stop (with a checkpoint) at this step; rerun to go on to `steps`
   c.train.log_every = 10

@@ -15,7 +15,9 @@ checkable (`params_sha256` in a workdir's summary.json).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import os
 from typing import Any
 
 import flax
@@ -26,6 +28,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from mtp_jax import layers
 from mtp_jax import loss as loss_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
@@ -67,8 +70,35 @@ def build_training(config: ml_collections.ConfigDict, mesh=None) -> Training:
   state_sh = state_shardings(model, tx, config, mesh)
   batch_sh = shard_lib.batch_sharding(mesh)
   step = jax.jit(make_train_step(model, tx, config), in_shardings=(state_sh, batch_sh),
-                 out_shardings=(state_sh, None), donate_argnums=0)
+                 out_shardings=(state_sh, None), donate_argnums=0,
+                 compiler_options=compiler_options(config))
   return Training(config, model, tx, mesh, state_sh, batch_sh, step)
+
+
+def batch_slices(config: ml_collections.ConfigDict) -> int:
+  """train.batch_slices resolved (static: while building or tracing): the set value, or for 0
+  (auto) 2 when training on one CPU device (`layers.one_cpu_device`) that has 2 cores and a
+  micro-batch of even rows, else 1. Two cores are what it was measured on (docs/cpu_speed.md);
+  other core counts keep 1 until measured."""
+  t = config.train
+  if t.batch_slices:
+    return t.batch_slices
+  rows = t.batch_size // t.grad_accum
+  return 2 if layers.one_cpu_device() and _cores() == 2 and rows % 2 == 0 else 1
+
+
+def _cores() -> int:
+  return len(os.sched_getaffinity(0))
+
+
+def compiler_options(config: ml_collections.ConfigDict) -> dict | None:
+  """XLA options of the train step: on one CPU device with a batch slice for every core, each
+  matmul single-threaded (the slices keep the cores busy side by side; Eigen's two-thread GEMMs
+  reach 0.6-0.95x of torch.mm on these shapes, one-thread ones equal it). Else XLA's defaults."""
+  n = batch_slices(config)
+  if n > 1 and n >= _cores() and layers.one_cpu_device():
+    return {"xla_cpu_multi_thread_eigen": False}
+  return None
 
 
 def _dummy_tokens(config):
@@ -114,7 +144,8 @@ def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
   count_i, where count_i is head i's token count in the whole batch (it depends on the batch
   alone, not on the params). So grads and metrics equal A = 1 up to summation order, however
   unevenly padding or packed documents spread the tokens over the micro-batches; averaging
-  per-micro-batch means would not.
+  per-micro-batch means would not. `train.batch_slices` (`batch_slices`) cuts each micro-batch
+  into row slices the same way, but side by side instead of one after another.
   """
   accum = config.train.grad_accum
   weights_N = loss_lib.head_weights(config)
@@ -131,7 +162,22 @@ def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
     sums = loss_lib.model_sums(params, model, config, batch, frozen_heads=int(heads_only))
     return loss_lib.weighted_loss(sums, weights_N, z_loss, count_N), sums
 
-  grads_and_sums = jax.grad(objective, has_aux=True)
+  objective_grad = jax.grad(objective, has_aux=True)
+  slices = batch_slices(config)
+
+  def grads_and_sums(params, batch, count_N):
+    """Gradients and sums of `batch`, its rows cut into `slices` slices computed side by side
+    (independent programs XLA runs at once) and summed: every slice divides by the whole
+    batch's token counts, as micro-batches do."""
+    if slices == 1:
+      return objective_grad(params, batch, count_N)
+    if count_N is None:
+      count_N = loss_lib.head_token_counts(batch["tokens"], batch.get("segment_ids"),
+                                           len(weights_N))
+    rows = batch["tokens"].shape[0] // slices
+    parts = [objective_grad(params, jax.tree.map(lambda x, i=i: x[i * rows:(i + 1) * rows],
+                                                 batch), count_N) for i in range(slices)]
+    return functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), parts)
 
   def grad_fn(params, batch):
     if accum == 1:

@@ -156,6 +156,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if t.batch_size % t.grad_accum:
     _fail("train.grad_accum", f"must divide train.batch_size ({t.batch_size}), got "
           f"{t.grad_accum}")
+  rows = t.batch_size // t.grad_accum
+  if t.batch_slices < 0 or (t.batch_slices and rows % t.batch_slices):
+    _fail("train.batch_slices", f"must be 0 (auto) or divide the {rows} rows of a micro-batch "
+          f"(train.batch_size / train.grad_accum), got {t.batch_slices}")
   if o.warmup_steps < 0:
     _fail("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
   if o.max_consecutive_nonfinite < 1:

@@ -64,6 +64,9 @@ BAD = [
     ("unknown_fuse_projections", _set("model.fuse_projections", "yes"),
      "model.fuse_projections", "auto, on or off"),
     ("negative_scan_unroll", _set("model.scan_unroll", -1), "model.scan_unroll", "0 (auto)"),
+    ("negative_batch_slices", _set("train.batch_slices", -1), "train.batch_slices", "0 (auto)"),
+    ("batch_slices_not_dividing_rows", _set("train.batch_slices", 3), "train.batch_slices",
+     "divide the"),
 ]
 
 

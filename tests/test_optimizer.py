@@ -78,8 +78,13 @@ def test_grad_accumulation_is_exact_with_uneven_padding(make_config, make_model)
     c.loss.head_weights = [1.0, 0.4]
   model, params = make_model(c)
   batch = _uneven_batch(c)
+  c.train.batch_slices = 1
   c4 = c.copy_and_resolve_references()
   c4.train.grad_accum = 4
+  cs = c.copy_and_resolve_references()  # 4 row slices side by side (train.batch_slices)
+  cs.train.batch_slices = 4
+  c22 = c.copy_and_resolve_references()  # 2 micro-batches of 2 slices each
+  c22.train.grad_accum, c22.train.batch_slices = 2, 2
   bare = make_config("parallel", 2)  # z_loss 0, uniform weights
   plain = lambda p, b: loss_lib.model_loss(p, model, c, b)
 
@@ -90,9 +95,10 @@ def test_grad_accumulation_is_exact_with_uneven_padding(make_config, make_model)
              for i in range(0, 8, 2)]
     return (steps_lib.make_grad_fn(model, c)(params, batch),
             steps_lib.make_grad_fn(model, c4)(params, batch), ref, micro,
-            loss_lib.model_loss(params, model, bare, batch)[0])
+            loss_lib.model_loss(params, model, bare, batch)[0],
+            [steps_lib.make_grad_fn(model, x)(params, batch) for x in (cs, c22)])
 
-  (g1, m1), (g4, m4), (g_ref, m_ref), micro, bare_loss = run(params, batch)
+  (g1, m1), (g4, m4), (g_ref, m_ref), micro, bare_loss, sliced = run(params, batch)
   # 1e-5 of each leaf's largest entry: f32 summation order alone (the batch's rows reversed)
   # moves the gradients by ~5e-7 of it, micro-batching by ~2e-6; averaging the micro-batches'
   # mean-loss gradients (the accumulation before issue 12) is off by up to 0.5 of it here.
@@ -102,6 +108,10 @@ def test_grad_accumulation_is_exact_with_uneven_padding(make_config, make_model)
   for key in ("loss", "head_loss", "head_acc", "head_agree", "head_tokens"):
     np.testing.assert_allclose(m4[key], m1[key], rtol=1e-5, err_msg=key)
     np.testing.assert_allclose(m1[key], m_ref[key], rtol=1e-5, err_msg=key)
+  for g, m in sliced:  # the slices divide by the batch's token counts too
+    jax.tree.map(close, g, g1)
+    for key in ("loss", "head_loss", "head_acc", "head_agree", "head_tokens"):
+      np.testing.assert_allclose(m[key], m1[key], rtol=1e-5, err_msg=key)
   # Counted by hand from the padding and boundaries above (micro-batches: 26, 19, 12, 12 and
   # 23, 16, 9, 10), not divided by the number of micro-batches.
   np.testing.assert_array_equal(m4["head_tokens"], [69, 58])
@@ -112,6 +122,31 @@ def test_grad_accumulation_is_exact_with_uneven_padding(make_config, make_model)
   weighted = m4["head_loss"][0] + 0.4 * m4["head_loss"][1]
   assert float(m4["loss"]) > weighted + 1e-2  # the z-loss term (lse^2 > 0) is in
   assert abs(float(bare_loss) - float(m4["head_loss"].sum())) < 1e-5 * float(bare_loss)
+
+
+def test_batch_slices_auto_and_single_threaded_matmuls(make_config, monkeypatch):
+  """train.batch_slices 0 (auto): 2 slices on one CPU device with 2 cores and even rows, and
+  then single-threaded matmuls (a slice per core); 1 on other core counts, odd rows or a
+  multi-device mesh; a set value is kept, and its matmuls stay threaded while cores are left."""
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+  c = make_config("parallel", 2)
+  c.train.batch_size = 8
+  single = {"xla_cpu_multi_thread_eigen": False}
+  monkeypatch.setattr(steps_lib, "_cores", lambda: 2)
+  assert steps_lib.batch_slices(c) == 2 and steps_lib.compiler_options(c) == single
+  mesh = AbstractMesh((2, 1, 1), ("data", "fsdp", "tensor"), abstract_device=AbstractDevice(
+      device_kind="cpu", num_cores=1, platform="cpu"))
+  with use_abstract_mesh(mesh):
+    assert steps_lib.batch_slices(c) == 1 and steps_lib.compiler_options(c) is None
+  c.train.grad_accum = 8  # micro-batches of one row
+  assert steps_lib.batch_slices(c) == 1
+  c.train.grad_accum = 1
+  monkeypatch.setattr(steps_lib, "_cores", lambda: 4)
+  assert steps_lib.batch_slices(c) == 1 and steps_lib.compiler_options(c) is None
+  c.train.batch_slices = 2
+  assert steps_lib.batch_slices(c) == 2 and steps_lib.compiler_options(c) is None
+  c.train.batch_slices = 4
+  assert steps_lib.compiler_options(c) == single
 
 
 def test_bf16_compute_trains(make_config):

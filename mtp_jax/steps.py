@@ -69,9 +69,10 @@ def build_training(config: ml_collections.ConfigDict, mesh=None) -> Training:
   tx = optim_lib.make_optimizer(config)
   state_sh = state_shardings(model, tx, config, mesh)
   batch_sh = shard_lib.batch_sharding(mesh)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the mesh decides, not the host
+    options = compiler_options(config)
   step = jax.jit(make_train_step(model, tx, config), in_shardings=(state_sh, batch_sh),
-                 out_shardings=(state_sh, None), donate_argnums=0,
-                 compiler_options=compiler_options(config))
+                 out_shardings=(state_sh, None), donate_argnums=0, compiler_options=options)
   return Training(config, model, tx, mesh, state_sh, batch_sh, step)
 
 
@@ -163,12 +164,13 @@ def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
     return loss_lib.weighted_loss(sums, weights_N, z_loss, count_N), sums
 
   objective_grad = jax.grad(objective, has_aux=True)
-  slices = batch_slices(config)
 
   def grads_and_sums(params, batch, count_N):
-    """Gradients and sums of `batch`, its rows cut into `slices` slices computed side by side
-    (independent programs XLA runs at once) and summed: every slice divides by the whole
-    batch's token counts, as micro-batches do."""
+    """Gradients and sums of `batch`, its rows cut into `batch_slices` slices computed side by
+    side (independent programs XLA runs at once) and summed: every slice divides by the whole
+    batch's token counts, as micro-batches do. Resolved here, while tracing: the mesh in
+    context (plan_memory's TPU target, say) decides auto."""
+    slices = batch_slices(config)
     if slices == 1:
       return objective_grad(params, batch, count_N)
     if count_N is None:

@@ -165,6 +165,13 @@ def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
 
   objective_grad = jax.grad(objective, has_aux=True)
 
+  def counts(batch):
+    return loss_lib.head_token_counts(batch["tokens"], batch.get("segment_ids"), len(weights_N))
+
+  def split_rows(batch, n):
+    """Every leaf [rows, ...] -> [n, rows / n, ...]: micro-batches and slices alike."""
+    return jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
+
   def grads_and_sums(params, batch, count_N):
     """Gradients and sums of `batch`, its rows cut into `batch_slices` slices computed side by
     side (independent programs XLA runs at once) and summed: every slice divides by the whole
@@ -173,21 +180,18 @@ def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
     slices = batch_slices(config)
     if slices == 1:
       return objective_grad(params, batch, count_N)
-    if count_N is None:
-      count_N = loss_lib.head_token_counts(batch["tokens"], batch.get("segment_ids"),
-                                           len(weights_N))
-    rows = batch["tokens"].shape[0] // slices
-    parts = [objective_grad(params, jax.tree.map(lambda x, i=i: x[i * rows:(i + 1) * rows],
-                                                 batch), count_N) for i in range(slices)]
+    count_N = counts(batch) if count_N is None else count_N
+    split = split_rows(batch, slices)
+    parts = [objective_grad(params, jax.tree.map(lambda x, i=i: x[i], split), count_N)
+             for i in range(slices)]
     return functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), parts)
 
   def grad_fn(params, batch):
     if accum == 1:
       grads, sums = grads_and_sums(params, batch, None)
     else:
-      count_N = loss_lib.head_token_counts(batch["tokens"], batch.get("segment_ids"),
-                                           len(weights_N))
-      micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+      count_N = counts(batch)
+      micro = split_rows(batch, accum)
 
       def body(carry, mb):
         return jax.tree.map(jnp.add, carry, grads_and_sums(params, mb, count_N)), None

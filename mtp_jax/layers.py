@@ -66,16 +66,45 @@ class DenseParams(nn.Module):
     return kernel, bias
 
 
-def fused_dense(x_TxD, params, dtype):
+@jax.custom_vjp
+def silu_gate(gate_up_TxF2):
+  """silu(gate) * up of [gate | up] side by side (SwiGLU's fused w1, w3 projection), with the
+  gradient written back side by side: one elementwise pass of sigmoid(gate) reading gate, up
+  and the output's cotangent, writing [d gate | d up] that the fused projection's backward
+  GEMMs read as is. Autodiff's version took five passes on XLA:CPU (silu's derivative,
+  the products, then a copy to concatenate the two halves). Same maths."""
+  gate, up = jnp.split(gate_up_TxF2, 2, axis=-1)
+  return nn.silu(gate) * up
+
+
+def _silu_gate_fwd(gate_up_TxF2):
+  return silu_gate(gate_up_TxF2), gate_up_TxF2
+
+
+def _silu_gate_bwd(gate_up_TxF2, d_out_TxF):
+  gate, up = jnp.split(gate_up_TxF2, 2, axis=-1)
+  sig = jax.nn.sigmoid(gate)
+  silu = gate * sig
+  d_gate = d_out_TxF * up * (sig + silu * (1 - sig))  # d silu / d x = s + x s (1 - s)
+  return (jnp.concatenate([d_gate, d_out_TxF * silu], axis=-1),)
+
+
+silu_gate.defvjp(_silu_gate_fwd, _silu_gate_bwd)
+
+
+def fused_dense(x_TxD, params, dtype, split: bool = True):
   """[x @ kernel_i (+ bias_i) for (kernel_i, bias_i) in params] as ONE matmul against the kernels
-  concatenated on their output axis, then split: the backward's weight gradient is one GEMM and
-  its input gradient one GEMM instead of one per projection plus their sum. Same maths as a
-  DenseGeneral per projection (kernels [D, *features])."""
+  concatenated on their output axis, then split (`split=False`: the [T, sum of widths] output
+  as is): the backward's weight gradient is one GEMM and its input gradient one GEMM instead of
+  one per projection plus their sum. Same maths as a DenseGeneral per projection (kernels
+  [D, *features])."""
   widths = [math.prod(k.shape[1:]) for k, _ in params]
   w_DxN = jnp.concatenate([k.reshape(k.shape[0], -1) for k, _ in params], axis=1)
   y_TxN = jnp.dot(x_TxD.astype(dtype), w_DxN.astype(dtype))
   if params[0][1] is not None:
     y_TxN = y_TxN + jnp.concatenate([b.reshape(-1) for _, b in params]).astype(dtype)
+  if not split:
+    return y_TxN
   outs = jnp.split(y_TxN, np.cumsum(widths)[:-1], axis=1)
   return [o.reshape(x_TxD.shape[0], *k.shape[1:]) for o, (k, _) in zip(outs, params)]
 
@@ -163,6 +192,23 @@ def rope_frequencies(a: ModelArgs) -> tuple[np.ndarray, float]:
   return inv, 1.0
 
 
+def written_once(*tables_Bx_xF):
+  """The f32 tables, computed once and read by every consumer. XLA:CPU fuses a cheap producer
+  into each consumer, so the [B, S, 1, E/2] sin and cos tables of RoPE were evaluated again for
+  every head of every rope and rope gradient (48 fusions of a 6-layer train step, ~3% of it on
+  an AVX-512 Xeon), and it expands `optimization_barrier` before fusing. A dot is never fused
+  into its consumers: the tables, side by side, times the identity matrix are written once,
+  and exactly (each output is one product by 1.0 plus products by 0.0). Elsewhere (TPU dots
+  round f32 inputs by default) the barrier, which those compilers keep."""
+  if attention.target_platform() != "cpu":
+    return jax.lax.optimization_barrier(tables_Bx_xF)
+  F = tables_Bx_xF[0].shape[-1]
+  both = jnp.concatenate(tables_Bx_xF, axis=-1)
+  both = jnp.einsum("...f,fg->...g", both, jnp.eye(both.shape[-1], dtype=both.dtype),
+                    precision=jax.lax.Precision.HIGHEST)
+  return tuple(both[..., i * F:(i + 1) * F] for i in range(len(tables_Bx_xF)))
+
+
 def rope(x_BxSxHxE, positions_BxS, inv_freq: np.ndarray, attention_factor: float = 1.0):
   """Rotary embedding, rotate-half layout (HF Llama); Meta's interleaved-pair checkpoints need
   their q/k rows permuted on import. `inv_freq` from `rope_frequencies` (model.rope_scaling)."""
@@ -171,10 +217,7 @@ def rope(x_BxSxHxE, positions_BxS, inv_freq: np.ndarray, attention_factor: float
   sin, cos = jnp.sin(ang_BxSx1xE2), jnp.cos(ang_BxSx1xE2)
   if attention_factor != 1.0:
     sin, cos = sin * attention_factor, cos * attention_factor
-  # Tables [B, S, 1, E/2], written once: fused into their consumers, XLA:CPU evaluated sin and
-  # cos again for every head and every use, forward and backward (~14% of a train step's
-  # non-matmul time on an AVX-512 Xeon). The barrier changes no value.
-  sin, cos = jax.lax.optimization_barrier((sin, cos))
+  sin, cos = written_once(sin, cos)
   x = x_BxSxHxE.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -249,12 +292,16 @@ class SwiGLU(nn.Module):
   @nn.compact
   def __call__(self, x_BxSxD):
     a = self.args
-    gate_BxSxF, up_BxSxF = projections(
-        self, x_BxSxD, [((a.d_ff,), ("embed", "mlp"), "w1"), ((a.d_ff,), ("embed", "mlp"), "w3")],
-        False, a.dtype, fuse_projections(a))
-    return tokens_2d(nn.Dense(a.d_model, use_bias=False, dtype=a.dtype,
-                              kernel_init=dense_init(("mlp", "embed")), name="w2"))(
-        nn.silu(gate_BxSxF) * up_BxSxF)
+    specs = [((a.d_ff,), ("embed", "mlp"), "w1"), ((a.d_ff,), ("embed", "mlp"), "w3")]
+    down = nn.Dense(a.d_model, use_bias=False, dtype=a.dtype,
+                    kernel_init=dense_init(("mlp", "embed")), name="w2")
+    if not fuse_projections(a):
+      gate_BxSxF, up_BxSxF = projections(self, x_BxSxD, specs, False, a.dtype, False)
+      return tokens_2d(down)(nn.silu(gate_BxSxF) * up_BxSxF)
+    B, S, D = x_BxSxD.shape
+    params = [DenseParams(f, axes, False, parent=self, name=name)(D) for f, axes, name in specs]
+    gate_up_TxF2 = fused_dense(x_BxSxD.reshape(B * S, D), params, a.dtype, split=False)
+    return down(silu_gate(gate_up_TxF2)).reshape(B, S, a.d_model)
 
 
 class Block(nn.Module):

@@ -109,15 +109,18 @@ def fused_dense(x_TxD, params, dtype, split: bool = True):
   return [o.reshape(x_TxD.shape[0], *k.shape[1:]) for o, (k, _) in zip(outs, params)]
 
 
-def projections(module: nn.Module, x_BxSxD, specs, use_bias: bool, dtype, fused: bool):
+def projections(module: nn.Module, x_BxSxD, specs, use_bias: bool, dtype, fused: bool,
+                joined: bool = False):
   """One projection of x per (features, logical axes, name) in `specs`, each a child named
-  `name` with DenseGeneral's params: as one matmul (`fused_dense`) or one DenseGeneral each."""
+  `name` with DenseGeneral's params: as one matmul (`fused_dense`) or one DenseGeneral each.
+  `joined` (fused only): the one matmul's [B*S, sum of widths] output, not split."""
   B, S, D = x_BxSxD.shape
   if fused:
     params = [DenseParams(f, axes, use_bias, parent=module, name=name)(D)
               for f, axes, name in specs]
-    return [y.reshape(B, S, *y.shape[1:])
-            for y in fused_dense(x_BxSxD.reshape(B * S, D), params, dtype)]
+    ys = fused_dense(x_BxSxD.reshape(B * S, D), params, dtype, split=not joined)
+    return ys if joined else [y.reshape(B, S, *y.shape[1:]) for y in ys]
+  assert not joined, "projections: joined needs fused"
   return [tokens_2d(nn.DenseGeneral(
       f, use_bias=use_bias, dtype=dtype, kernel_init=dense_init(axes),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]), parent=module,
@@ -298,10 +301,8 @@ class SwiGLU(nn.Module):
     if not fuse_projections(a):
       gate_BxSxF, up_BxSxF = projections(self, x_BxSxD, specs, False, a.dtype, False)
       return tokens_2d(down)(nn.silu(gate_BxSxF) * up_BxSxF)
-    B, S, D = x_BxSxD.shape
-    params = [DenseParams(f, axes, False, parent=self, name=name)(D) for f, axes, name in specs]
-    gate_up_TxF2 = fused_dense(x_BxSxD.reshape(B * S, D), params, a.dtype, split=False)
-    return down(silu_gate(gate_up_TxF2)).reshape(B, S, a.d_model)
+    gate_up_TxF2 = projections(self, x_BxSxD, specs, False, a.dtype, True, joined=True)
+    return down(silu_gate(gate_up_TxF2)).reshape(*x_BxSxD.shape[:2], a.d_model)
 
 
 class Block(nn.Module):

@@ -20,7 +20,7 @@ import numpy as np
 from mtp_jax import attention, sharding
 from mtp_jax.model_args import ModelArgs
 
-Cache = dict[str, jax.Array]  # {"k": [B, L, K, E], "v": [B, L, K, E]}
+Cache = dict[str, jax.Array]  # {"k": [B, K, L, E], "v": [B, K, L, E]}, heads-major
 
 
 def dense_init(axes):
@@ -277,12 +277,15 @@ class Attention(nn.Module):
       # from positions[:, 0], its nodes' positions being their depths; a chain at its positions.
       slots_BxS = (positions_BxS if segment_ids_BxS is None
                    else positions_BxS[:, :1] + jnp.arange(S))
-      k_BxTxKxE = cache["k"].at[rows_Bx1, slots_BxS].set(k_BxSxKxE.astype(cache["k"].dtype))
-      v_BxTxKxE = cache["v"].at[rows_Bx1, slots_BxS].set(v_BxSxKxE.astype(cache["v"].dtype))
+      # The cache is heads-major ([B, K, T, E]): (rows, slots) index [B, S] and the slice
+      # keeps K, so the update is [B, S, K, E], the new keys as they are.
+      k_BxTxKxE = cache["k"].at[rows_Bx1, :, slots_BxS].set(k_BxSxKxE.astype(cache["k"].dtype))
+      v_BxTxKxE = cache["v"].at[rows_Bx1, :, slots_BxS].set(v_BxSxKxE.astype(cache["v"].dtype))
       new_cache = {"k": k_BxTxKxE, "v": v_BxTxKxE}
     out_BxSxHxE = attention.attend(
         q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS,
-        cached=cache is not None, impl=a.attention_impl, dtype=a.dtype, window=a.sliding_window)
+        cached=cache is not None, impl=a.attention_impl, dtype=a.dtype, window=a.sliding_window,
+        kv_heads_major=cache is not None)
     out_BxSxD = tokens_2d(nn.DenseGeneral(
         a.d_model, axis=(-2, -1), use_bias=False, dtype=a.dtype,
         kernel_init=dense_init(("heads", "head_dim", "embed")), name="wo"))(out_BxSxHxE)
@@ -326,6 +329,8 @@ class Block(nn.Module):
 
 
 def init_cache(args: ModelArgs, n_blocks: int, batch: int, length: int, dtype=jnp.float32):
-  """Zeroed KV cache for `n_blocks` stacked blocks: {"k", "v"} of [n_blocks, B, L, K, E]."""
-  shape = (n_blocks, batch, length, args.n_kv_heads, args.head_dim)
+  """Zeroed KV cache for `n_blocks` stacked blocks: {"k", "v"} of [n_blocks, B, K, L, E],
+  heads-major, the layout the cpu attention kernel multiplies (attention.cpu_attention): a
+  decoding step then reads each layer's cache in place instead of transposing all of it."""
+  shape = (n_blocks, batch, args.n_kv_heads, length, args.head_dim)
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

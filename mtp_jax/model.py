@@ -59,7 +59,7 @@ class Trunk(nn.Module):
     for i in range(a.n_trunk):
       if cache is None:
         layer_cache = None
-      elif per_layer:  # [1, B, L, K, E] leaves: dropping the axis is free
+      elif per_layer:  # [1, B, K, L, E] leaves: dropping the axis is free
         layer_cache = jax.tree.map(lambda c: c[0], cache[i])
       else:
         layer_cache = jax.tree.map(lambda c, i=i: c[i], cache)
@@ -173,9 +173,9 @@ def unrolled(params, args: ModelArgs):
 
 def init_decode_cache(args: ModelArgs, batch: int, length: int, dtype=jnp.float32):
   """Zeroed KV caches for the trunk and every attention block of the heads. Leaves are
-  [blocks, B, L, K, E]."""
+  [blocks, B, K, L, E] (heads-major: layers.init_cache)."""
   n_head_blocks = heads.KINDS[args.head_kind].cache_blocks(args)
-  # An unrolled trunk gets one cache per layer ([1, B, L, K, E] leaves, a list): each layer's
+  # An unrolled trunk gets one cache per layer ([1, B, K, L, E] leaves, a list): each layer's
   # keys are written in place, not sliced out of a stack and written back.
   trunk = (init_cache(args, args.n_trunk, batch, length, dtype) if args.scan_layers else
            [init_cache(args, 1, batch, length, dtype) for _ in range(args.n_trunk)])

@@ -79,6 +79,21 @@ def test_cache_path_equals_reference(impl):
                              rtol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["cpu", "xla", "einsum"])
+def test_heads_major_cache_equals_cache_as_given(impl):
+  """The KV cache is stored [B, K, T, E] (layers.init_cache): attend(kv_heads_major=True) on the
+  transposed cache gives what the [B, T, K, E] call gives, values and gradients."""
+  q, k, v = _qkv(3, 20, seed=1)
+  pos = jnp.asarray([[4, 5, 6], [11, 12, 13]], jnp.int32)
+  hm = lambda x: x.transpose(0, 2, 1, 3)
+  def call(major):
+    return lambda q, k, v: attention.attend(q, hm(k) if major else k, hm(v) if major else v,
+                                            pos, cached=True, impl=impl, kv_heads_major=major)
+  got, want = _value_and_grads(call(True), q, k, v), _value_and_grads(call(False), q, k, v)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(g, w)
+
+
 def test_splash_kernel_in_interpret_mode_equals_reference():
   """The TPU kernel's wiring (head layout, scale, causal block mask, segment ids) run by the
   Pallas interpreter on the CPU; its tiles are 128 wide, so S = 128."""

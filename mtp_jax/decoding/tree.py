@@ -141,13 +141,13 @@ def _draft(lg_KxBxV, root_B, tree: Tree):
 
 def compact(cache, base_B, path_BxM):
   """Moves the KV entries of window slots base + path[:, j] to base + j, in every cache leaf
-  ([blocks, B, L, K, E]); path[:, j] >= j, so reading all before writing is safe."""
+  ([blocks, B, K, L, E]); path[:, j] >= j, so reading all before writing is safe."""
   rows_Bx1 = jnp.arange(base_B.shape[0])[:, None]
   src_BxM = base_B[:, None] + path_BxM
   dst_BxM = base_B[:, None] + jnp.arange(path_BxM.shape[1])
 
   def move(c):
-    return c.at[:, rows_Bx1, dst_BxM].set(c[:, rows_Bx1, src_BxM])
+    return c.at[:, rows_Bx1, :, dst_BxM].set(c[:, rows_Bx1, :, src_BxM])
   return jax.tree.map(move, cache)
 
 

@@ -277,10 +277,8 @@ class Attention(nn.Module):
       # from positions[:, 0], its nodes' positions being their depths; a chain at its positions.
       slots_BxS = (positions_BxS if segment_ids_BxS is None
                    else positions_BxS[:, :1] + jnp.arange(S))
-      # The cache is heads-major ([B, K, T, E]): (rows, slots) index [B, S] and the slice
-      # keeps K, so the update is [B, S, K, E], the new keys as they are.
-      k_BxTxKxE = cache["k"].at[rows_Bx1, :, slots_BxS].set(k_BxSxKxE.astype(cache["k"].dtype))
-      v_BxTxKxE = cache["v"].at[rows_Bx1, :, slots_BxS].set(v_BxSxKxE.astype(cache["v"].dtype))
+      k_BxTxKxE, v_BxTxKxE = (_cache_write(cache[n], x, rows_Bx1, slots_BxS)
+                              for n, x in (("k", k_BxSxKxE), ("v", v_BxSxKxE)))
       new_cache = {"k": k_BxTxKxE, "v": v_BxTxKxE}
     out_BxSxHxE = attention.attend(
         q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS,
@@ -290,6 +288,21 @@ class Attention(nn.Module):
         a.d_model, axis=(-2, -1), use_bias=False, dtype=a.dtype,
         kernel_init=dense_init(("heads", "head_dim", "embed")), name="wo"))(out_BxSxHxE)
     return out_BxSxD, new_cache
+
+
+def _cache_write(cache_BxKxTxE, new_BxSxKxE, rows_Bx1, slots_BxS):
+  """The cache (heads-major, [B, K, T, E]) with the new keys or values written at (row, slot),
+  one scatter that XLA updates in place: (rows, slots) index [B, S] and the slice keeps K, so
+  the update is [B, S, K, E], the new keys as they are. A single (row, slot) (one token at
+  batch 1) is written twice, the same value at the same place: XLA turns a one-index scatter
+  into a dynamic-update-slice and fuses that into every reader of the cache, each on a copy of
+  its own (four copies of each layer's cache per token), where a scatter stays one in-place
+  write. Duplicate indices of a scatter land in any order; here both hold the same value."""
+  new_BxSxKxE = new_BxSxKxE.astype(cache_BxKxTxE.dtype)
+  if rows_Bx1.shape[0] * slots_BxS.shape[1] == 1:
+    rows_Bx1 = jnp.concatenate([rows_Bx1, rows_Bx1], axis=1)
+    slots_BxS, new_BxSxKxE = (jnp.concatenate([x, x], axis=1) for x in (slots_BxS, new_BxSxKxE))
+  return cache_BxKxTxE.at[rows_Bx1, :, slots_BxS].set(new_BxSxKxE)
 
 
 class SwiGLU(nn.Module):

@@ -1,11 +1,15 @@
 """Layer pieces with a hand-written or CPU-specific form: SwiGLU's gate backward against autodiff,
-RoPE's tables computed once per step on XLA:CPU and the rotation exactly the formula."""
+RoPE's tables computed once per step on XLA:CPU and the rotation exactly the formula, the KV
+cache written in place by the decoding loop."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def test_silu_gate_gradient_is_autodiffs():
@@ -41,3 +45,32 @@ def test_rope_tables_written_once_on_cpu():
   np.testing.assert_array_equal(
       rope(x_BxSxHxE, positions_BxS, inv_freq),
       jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1))
+
+
+@pytest.mark.parametrize("batch, kv_heads", [(1, 1), (1, 2), (3, 2)])
+def test_decode_loop_writes_the_kv_cache_in_place(batch, kv_heads):
+  """Inside the compiled decoding loop no KV cache is copied: each layer's new keys and values
+  are one in-place scatter into the heads-major cache, read there by attention. (At batch 1 a
+  one-index scatter became a dynamic-update-slice that XLA fused into each reader, each on a
+  copy of the whole cache: 5 copies per cache and token before layers._cache_write. With one kv
+  head at batch > 1 XLA still relayouts the trunk's caches, [1, B, 1, T, E] {4,3,1,2,0} against
+  {4,3,2,1,0}, which only a model with a single kv head meets.)"""
+  from conftest import random_params, tiny_config
+  from mtp_jax.decoding import decode as decode_lib
+  from mtp_jax.model import build_model
+  c = tiny_config("parallel", 2)
+  c.model.n_kv_heads = kv_heads  # 1: one token at batch 1 is a single (row, slot, head)
+  model = build_model(c)
+  prompt_len, new = 5, 12
+  dec = decode_lib.Decoder(random_params(model), model.args, k=1, batch=batch,
+                           prompt_len=prompt_len, max_new_tokens=new)
+  hlo = dec._compiled.as_text()
+  length = prompt_len + new + 1  # the cache's slots
+  bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
+  assert bodies, "no while loop in the compiled decoder"
+  copies = []
+  for comp in re.split(r"\n(?=\S)", hlo):
+    if comp.split(" ", 1)[0].lstrip("%") in bodies:
+      copies += [line for line in comp.splitlines() if " copy(" in line
+                 and re.search(rf"f32\[[\d,]*\b{length}\b[\d,]*\]", line.split("=", 1)[1][:60])]
+  assert not copies, "\n".join(copies)

@@ -15,6 +15,9 @@ side (median over rounds), the ratio to HF (median of same-round ratios too) and
 tokens agree: HF's greedy tokens against ours, row by row (a float32 near-tie can flip one
 argmax; the first differing position is recorded), our speculative tokens against our greedy
 (exact by construction). Each record names the machine (CPU model, ISA flags).
+`--ref_tree DIR` adds plain greedy decoding by another checkout's code as side plain@ref (its
+tokens checked against ours) and records this code's speed over it, the median same-round
+ratio and its quartiles: a code change judged in one run.
 """
 
 from __future__ import annotations
@@ -123,10 +126,14 @@ def worker(args):
 class Worker:
   def __init__(self, args, side):
     cmd, env = common.module_command("bench_decode_hf")
-    cmd += ["--worker", side, "--workdir", args.workdir, "--prompt_len", str(args.prompt_len),
-            "--max_new", str(args.max_new), "--seed", str(args.seed)]
+    cwd = None
+    if side == REF:  # plain decoding by the other checkout's code: it leads PYTHONPATH
+      side, cwd = "plain", os.path.abspath(args.ref_tree)
+      env["PYTHONPATH"] = os.pathsep.join([cwd, env["PYTHONPATH"]])
+    cmd += ["--worker", side, "--workdir", os.path.abspath(args.workdir), "--prompt_len",
+            str(args.prompt_len), "--max_new", str(args.max_new), "--seed", str(args.seed)]
     self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=env)
+                              env=env, cwd=cwd)
     line = self.p.stdout.readline()
     if not line:
       raise RuntimeError(f"the {side} worker failed to start (its error is above)")
@@ -143,6 +150,9 @@ class Worker:
     self.p.stdin.write("quit\n")
     self.p.stdin.close()
     self.p.wait()
+
+
+REF = "plain@ref"  # the side of --ref_tree
 
 
 def first_difference(a_BxT, b_BxT):
@@ -180,6 +190,12 @@ def bench_batch(workers, prompts, args):
     else:
       side.update({k: v for k, v in rs[-1].items() if k not in ("seconds", "tokens")})
     rec["sides"][name] = side
+  if REF in rounds:  # this code's plain decoding over the other checkout's, round by round
+    ref_s = np.array([r["seconds"] for r in rounds[REF]])
+    ratio = ref_s / np.array([r["seconds"] for r in rounds["plain"]])
+    rec["plain_over_ref_same_round"] = float(np.median(ratio))
+    rec["plain_over_ref_quartiles"] = np.quantile(ratio, [0.25, 0.75]).tolist()
+    rec["ref_tree"] = os.path.abspath(args.ref_tree)
   diff = first_difference(greedy_toks, rounds["hf"][-1]["tokens"])
   rec["hf_tokens_agree"] = all(d is None for d in diff)
   rec["hf_first_difference_per_row"] = diff
@@ -199,12 +215,20 @@ def main():
                   help="our speculative variants besides plain greedy: chain:K, chain:all, auto")
   ap.add_argument("--settle", type=float, default=0.3,
                   help="seconds between calls of different sides")
+  ap.add_argument("--ref_tree", default=None,
+                  help="another checkout of this repository (e.g. `git worktree add /tmp/ref "
+                       "HEAD~1`): its plain greedy decoding runs as one more side, plain@ref, "
+                       "so a code change is judged against the code before it in one run")
   ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.worker:
     return worker(args)
-  sides = ["hf", "plain", *args.variants.split()]
-  for v in sides[2:]:
+  if args.ref_tree and not os.path.isfile(
+      os.path.join(args.ref_tree, "experiments", "bench_decode_hf.py")):
+    ap.error(f"--ref_tree: {args.ref_tree!r} is not a checkout of this repository "
+             "(no experiments/bench_decode_hf.py in it)")
+  sides = ["hf", "plain", *args.variants.split(), *([REF] if args.ref_tree else [])]
+  for v in args.variants.split():
     if not (v == "auto" or (v.startswith("chain:") and (v[6:] == "all" or v[6:].isdigit()))):
       ap.error(f"--variants: {v!r} is not chain:K, chain:all or auto")
   batches = [int(b) for b in args.batches.split(",")]
@@ -222,7 +246,8 @@ def main():
     records.append(rec)
     print(json.dumps({k: rec[k] for k in ("batch", "hf_tokens_agree")} | {
         n: round(s["tokens_per_sec"]) for n, s in rec["sides"].items()} | {
-        f"{n}/hf": round(s["ratio_to_hf"], 3) for n, s in rec["sides"].items() if n != "hf"}),
+        f"{n}/hf": round(s["ratio_to_hf"], 3) for n, s in rec["sides"].items() if n != "hf"} | (
+        {"plain/ref": round(rec["plain_over_ref_same_round"], 3)} if args.ref_tree else {})),
         flush=True)
   common.write_json(records, args.json, indent=1)
   return 0

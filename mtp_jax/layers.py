@@ -212,15 +212,20 @@ def written_once(*tables_Bx_xF):
   return tuple(both[..., i * F:(i + 1) * F] for i in range(len(tables_Bx_xF)))
 
 
-def rope(x_BxSxHxE, positions_BxS, inv_freq: np.ndarray, attention_factor: float = 1.0):
+def rope(x_BxSxHxE, positions_BxS, inv_freq: np.ndarray, attention_factor: float = 1.0,
+         once: bool = True):
   """Rotary embedding, rotate-half layout (HF Llama); Meta's interleaved-pair checkpoints need
-  their q/k rows permuted on import. `inv_freq` from `rope_frequencies` (model.rope_scaling)."""
+  their q/k rows permuted on import. `inv_freq` from `rope_frequencies` (model.rope_scaling).
+  `once`: the sin and cos tables through `written_once`; a decoding step (a few tokens) passes
+  False, since there one identity dot per rope, 6 of a batch-1 step's ~110 ops for the default
+  model, costs more than evaluating a few sines again in each consumer. Same values."""
   half = x_BxSxHxE.shape[-1] // 2
   ang_BxSx1xE2 = positions_BxS[:, :, None, None].astype(jnp.float32) * jnp.asarray(inv_freq)
   sin, cos = jnp.sin(ang_BxSx1xE2), jnp.cos(ang_BxSx1xE2)
   if attention_factor != 1.0:
     sin, cos = sin * attention_factor, cos * attention_factor
-  sin, cos = written_once(sin, cos)
+  if once:
+    sin, cos = written_once(sin, cos)
   x = x_BxSxHxE.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -264,8 +269,8 @@ class Attention(nn.Module):
       q_BxSxHxE = rms_norm(q_BxSxHxE, norm_param(self, "q_norm", E), a.norm_eps)
       k_BxSxKxE = rms_norm(k_BxSxKxE, norm_param(self, "k_norm", E), a.norm_eps)
     inv_freq, attention_factor = rope_frequencies(a)
-    q_BxSxHxE = rope(q_BxSxHxE, positions_BxS, inv_freq, attention_factor)
-    k_BxSxKxE = rope(k_BxSxKxE, positions_BxS, inv_freq, attention_factor)
+    q_BxSxHxE = rope(q_BxSxHxE, positions_BxS, inv_freq, attention_factor, cache is None)
+    k_BxSxKxE = rope(k_BxSxKxE, positions_BxS, inv_freq, attention_factor, cache is None)
 
     if cache is None:
       k_BxTxKxE, v_BxTxKxE = k_BxSxKxE, v_BxSxKxE

@@ -45,6 +45,10 @@ def test_rope_tables_written_once_on_cpu():
   np.testing.assert_array_equal(
       rope(x_BxSxHxE, positions_BxS, inv_freq),
       jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1))
+  # a decoding step's tables (once=False: sin and cos evaluated in their consumers), the same bits
+  step = lambda once: jax.jit(lambda x, p: rope(2 * x, p, inv_freq, 1.0, once))(
+      x_BxSxHxE[:, :1], positions_BxS[:, :1] + 3)
+  np.testing.assert_array_equal(step(True), step(False))
 
 
 @pytest.mark.parametrize("batch, kv_heads", [(1, 1), (1, 2), (3, 2)])

@@ -123,6 +123,9 @@ def worker(args):
           flush=True)
 
 
+REF = "plain@ref"  # the side of --ref_tree
+
+
 class Worker:
   def __init__(self, args, side):
     cmd, env = common.module_command("bench_decode_hf")
@@ -150,9 +153,6 @@ class Worker:
     self.p.stdin.write("quit\n")
     self.p.stdin.close()
     self.p.wait()
-
-
-REF = "plain@ref"  # the side of --ref_tree
 
 
 def first_difference(a_BxT, b_BxT):

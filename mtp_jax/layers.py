@@ -303,7 +303,7 @@ def _cache_write(cache_BxKxTxE, new_BxSxKxE, rows_Bx1, slots_BxS):
   the update is [B, S, K, E], the new keys as they are. A single (row, slot) (one token at
   batch 1) is written twice, the same value at the same place: XLA turns a one-index scatter
   into a dynamic-update-slice and fuses that into every reader of the cache, each on a copy of
-  its own (four copies of each layer's cache per token), where a scatter stays one in-place
+  its own (about five copies of each cache per token), where a scatter stays one in-place
   write. Duplicate indices of a scatter land in any order; here both hold the same value. On
   XLA:CPU only (XLA:TPU's estimate of a batch-1 step grew 8% with it)."""
   new_BxSxKxE = new_BxSxKxE.astype(cache_BxKxTxE.dtype)

@@ -16,6 +16,7 @@ Nothing goes through Flax intermediates: the loss and metrics are returned.
 Padded vocabulary (model.vocab_multiple): `vocab_size` names the real ids; the logits of the pad
 columns are -inf (`model.mask_pad_logits`), so the logsumexp, the argmax and the gradients see
 the real vocabulary only, in the scanned loss, its token tiles and the naive reference alike.
+On one CPU device, where nothing is sharded, the scanned loss multiplies the real columns only.
 
 Everything is first a per-head sum over tokens (`mtp_sums`: NLL, lse^2, correct, agreeing,
 scored tokens); `summarise` divides once per head. Sums add up across micro-batches, so a
@@ -30,7 +31,7 @@ import ml_collections
 import numpy as np
 
 from mtp_jax import config as config_lib
-from mtp_jax import sharding
+from mtp_jax import layers, sharding
 from mtp_jax.model import mask_pad_logits, unembedding
 
 _SAVE_NOTHING = jax.checkpoint_policies.nothing_saveable
@@ -147,6 +148,11 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
   frozen params only), so their logits are never differentiated."""
   N, B, S, D = h_NxBxSxD.shape
   V = unembed_DxV.shape[1] if vocab_size is None else vocab_size
+  if V < unembed_DxV.shape[1] and layers.one_cpu_device():
+    # Nothing to shard on one CPU device: the pad columns (model.vocab_multiple) would only be
+    # multiplied and masked (the byte-level default: 384 columns for 259 ids; 1.06x at
+    # n_future 4, docs/cpu_speed.md). Same maths: pad logits are -inf, their gradient 0.
+    unembed_DxV = unembed_DxV[:, :V]
   C = token_chunks
   if S % C:
     raise ValueError(f"config.loss.token_chunks: must divide the sequence length {S}, got {C}")

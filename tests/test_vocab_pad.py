@@ -60,10 +60,20 @@ def _batch(seed=0):
   return {"tokens": tokens, "segment_ids": seg}
 
 
-@pytest.mark.parametrize("kind,tie", [("parallel", True), ("sequential", False)])
-def test_loss_grads_and_logits_equal_unpadded(make_config, make_model, kind, tie):
+@pytest.mark.parametrize("kind,tie,cut", [("parallel", True, True), ("sequential", False, True),
+                                          ("parallel", True, False)])
+def test_loss_grads_and_logits_equal_unpadded(make_config, make_model, kind, tie, cut,
+                                              monkeypatch):
+  """cut: on one CPU device the loss multiplies the real columns only; else (as on a mesh) it
+  masks the pad columns' logits."""
+  if not cut:
+    monkeypatch.setattr(loss_lib.layers, "one_cpu_device", lambda: False)
   cp, model_p, params_p, c1, model1, params1 = _pair(make_config, make_model, kind, tie=tie)
   batch = _batch()
+  hlo = jax.jit(lambda p: loss_lib.model_loss(p, model_p, cp, batch)[0]).lower(
+      params_p).as_text()
+  # a token tile's logits (2 rows x 8 tokens): [16, 61] when cut, [16, 64] when masked
+  assert ("<16x61xf32>" in hlo, "<16x64xf32>" in hlo) == (cut, not cut)
 
   def value_and_grad(model, config, params, naive):
     fn = lambda p: loss_lib.model_loss(p, model, config, batch, naive=naive)

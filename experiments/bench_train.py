@@ -17,6 +17,9 @@ for one step each, round after round, and reports tokens/s and the ratio, both o
 the median same-round ratio. `--in_process` runs all four in this one process instead (PyTorch's
 steps then slow the JAX steps down; README, "CPU speed").
 
+`--peer --ref_tree DIR` adds another checkout's JAX step (a worker started in DIR) and records
+this code's speed over it as the median same-round ratio: a code change judged in one run.
+
 `--ab "model.fuse_projections=off"` judges one change: the projection-heads train step with the
 `--set` overrides and the same step with these on top, both compiled in this one process, their
 `--burst` steps each in turn for `--steps` rounds (n_future 1 and 4; `--ab_kind`); reports
@@ -47,6 +50,7 @@ from mtp_jax import validation
 from mtp_jax.config import load_file
 from mtp_jax.model import param_count
 
+REF = "jax@ref"  # --peer --ref_tree: the other checkout's JAX step
 VARIANTS = [("parallel", 1), ("parallel", 2), ("parallel", 4), ("sequential", 4),
             ("projection", 4)]
 
@@ -133,7 +137,7 @@ def _peer_runs(args, overrides):
   or all four in this process (`--in_process`)."""
   runs, procs = {}, []
   for n in (1, 4):
-    for fw in ("jax", "torch"):
+    for fw in ("jax", "torch", *((REF,) if args.ref_tree else ())):
       if args.in_process:
         step, tokens, n_params, first_s = _peer_step(args, overrides, fw, n)
 
@@ -146,9 +150,14 @@ def _peer_runs(args, overrides):
         runs[(fw, n)] = (one, info)
         continue
       cmd, env = common.module_command("bench_train")
-      cmd += ["--config", args.config, "--peer_worker", f"{fw}:{n}", "--set", *args.set]
+      cwd = None
+      if fw == REF:  # the other checkout's JAX step: its code leads PYTHONPATH
+        cwd = os.path.abspath(args.ref_tree)
+        env["PYTHONPATH"] = os.pathsep.join([cwd, env["PYTHONPATH"]])
+      cmd += ["--config", args.config, "--peer_worker", f"{fw.split('@')[0]}:{n}", "--set",
+              *args.set]
       p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                           env=env)
+                           env=env, cwd=cwd)
       procs.append(p)
       info = json.loads(p.stdout.readline())  # built one at a time: compiles do not overlap
 
@@ -175,9 +184,11 @@ def peer(args, overrides):
   times = {v: [] for v in runs}
   cpu_times = {v: [] for v in runs}
   first_times = {v: [] for v in runs}
-  for _ in range(args.steps):
-    for v, (one, _) in runs.items():
-      burst = one(args.burst)
+  order = list(runs)
+  for i in range(args.steps):  # each round starts one run later: no run always follows another
+    for v in order[i % len(order):] + order[:i % len(order)]:
+      time.sleep(args.settle)  # the previous run's threads (Eigen's, OpenMP's) stop spinning
+      burst = runs[v][0](args.burst)
       first_times[v].append(burst[0][0])
       rest = burst[1:] or burst
       times[v].append(float(np.median([s for s, _ in rest])))
@@ -214,6 +225,11 @@ def peer(args, overrides):
     # Noise slows whole rounds down: the median over rounds of the same-round ratio.
     rec["jax_over_torch_same_round_median"] = float(np.median(
         np.asarray(times[("torch", n)]) / np.asarray(times[("jax", n)])))
+    if args.ref_tree:  # this code's step over the other checkout's, round by round
+      ratio = np.asarray(times[(REF, n)]) / np.asarray(times[("jax", n)])
+      rec.update(ref_tree=os.path.abspath(args.ref_tree), ref_step_seconds=times[(REF, n)],
+                 jax_over_ref_same_round_median=float(np.median(ratio)),
+                 jax_over_ref_quartiles=np.quantile(ratio, [0.25, 0.75]).tolist())
     records.append(rec)
   print("| n_future | params jax / torch | jax tokens/s | torch tokens/s | jax / torch "
         "| same-round median |")
@@ -223,6 +239,10 @@ def peer(args, overrides):
           f"{r['jax_tokens_per_sec']:,.0f} | {r['torch_tokens_per_sec']:,.0f} | "
           f"{r['jax_over_torch_tokens_per_sec']:.2f}x | "
           f"{r['jax_over_torch_same_round_median']:.2f}x |")
+    if args.ref_tree:
+      print(f"  n_future {r['n_future']}: this code / {args.ref_tree} "
+            f"{r['jax_over_ref_same_round_median']:.3f}x (quartiles "
+            f"{r['jax_over_ref_quartiles'][0]:.3f}-{r['jax_over_ref_quartiles'][1]:.3f})")
   return records
 
 
@@ -293,6 +313,8 @@ def main():
   ap.add_argument("--burst", type=int, default=3,
                   help="back-to-back steps per variant and round; the first (after idling) is "
                   "set apart (1: one step per round, the old protocol)")
+  ap.add_argument("--settle", type=float, default=0.3,
+                  help="--peer: seconds idle before each run's burst")
   ap.add_argument("--in_process", action="store_true",
                   help="--peer: both frameworks in this one process (slows JAX; see README)")
   ap.add_argument("--cpus", default="",
@@ -303,12 +325,19 @@ def main():
                   help="overrides like model.fuse_projections=off (comma-separated): time the "
                   "step with and without them in this process, steps alternated")
   ap.add_argument("--ab_kind", default="projection", help="--ab: the head kind")
+  ap.add_argument("--ref_tree", default=None,
+                  help="--peer: also time another checkout's JAX step (a worker run from that "
+                  "folder) and record this code's speed over it, round by round")
   ap.add_argument("--peer_worker", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   try:  # bad input fails here, before any compile
     overrides = common.parse_overrides(args.set)
     common.apply_overrides(load_file(args.config), overrides)
     cpus = _parse_cpus(args.cpus)
+    if args.ref_tree and (args.in_process or not args.peer or not os.path.isfile(
+        os.path.join(args.ref_tree, "experiments", "bench_train.py"))):
+      raise ValueError(f"--ref_tree: needs --peer (not --in_process) and a checkout of this "
+                       f"repository, got {args.ref_tree!r}")
     extra = {}
     if args.ab:
       try:

@@ -91,14 +91,17 @@ def test_convert_command_line(argv, rc, stream, text):
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
-@pytest.mark.parametrize("ab, text", [
-    ("model.fuse_projections=maybe", "config.model.fuse_projections: must be auto, on or off"),
-    ("model.d_model", "--ab: expected KEY=VALUE, got 'model.d_model'"),
+@pytest.mark.parametrize("argv, text", [
+    (["--ab", "model.fuse_projections=maybe"],
+     "config.model.fuse_projections: must be auto, on or off"),
+    (["--ab", "model.d_model"], "--ab: expected KEY=VALUE, got 'model.d_model'"),
+    (["--peer", "--ref_tree", "/nonexistent"], "--ref_tree: needs --peer (not --in_process) and "
+     "a checkout of this repository, got '/nonexistent'"),
 ])
-def test_bench_train_ab_bad_input(ab, text):
-  """bench_train --ab (one change judged in one process): bad input is one error line and exit
-  status 2, before anything compiles."""
-  p = subprocess.run([sys.executable, "experiments/bench_train.py", "--ab", ab],
+def test_bench_train_bad_input(argv, text):
+  """bench_train --ab (one change judged in one process) and --peer --ref_tree (against another
+  checkout): bad input is one error line and exit status 2, before anything compiles."""
+  p = subprocess.run([sys.executable, "experiments/bench_train.py", *argv],
                      capture_output=True, text=True, timeout=120, cwd=ROOT,
                      env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
   assert p.returncode == 2, p.stdout + p.stderr

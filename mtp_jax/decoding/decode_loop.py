@@ -17,7 +17,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from mtp_jax import heads
+from mtp_jax import heads, layers, runtime
 from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.decoding import stops as stops_lib
 from mtp_jax.model_args import ModelArgs
@@ -99,7 +99,6 @@ def compiler_options(batch: int, k: int) -> dict | None:
   fuses into the logits' loop, recomputed for every cache slot), batch 2 0.90x, and a 4-head
   window at batch 8 0.89x. Else, and wherever the user chose the flag (XLA_FLAGS) or turned
   the CPU defaults off (runtime.OPT_OUT), XLA's options as the process has them."""
-  from mtp_jax import layers, runtime
   flag = runtime.CPU_XLA_FLAGS[0].split("=")[0]
   chosen = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] == flag]
   if (k == 1 and batch >= PLAIN_ROWS_WITHOUT_YNN and layers.one_cpu_device()

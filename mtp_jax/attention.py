@@ -193,10 +193,6 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
     n_blocks = 1
   q_BxKxGxSxE = (q_BxSxHxE * jnp.asarray(1 / np.sqrt(E), q_BxSxHxE.dtype)).reshape(
       B, S, K, G, E).transpose(0, 2, 3, 1, 4)
-  if cached and S == 1:  # a plain decoding step
-    bias_BxT = _bias(_visible_BxSxT(positions_BxS, segment_ids_BxS, T, True, window)[:, 0])
-    out_BxKxGxE = _one_query(q_BxKxGxSxE[:, :, :, 0], k_BxKxTxE, v_BxKxTxE, bias_BxT, dtype)
-    return out_BxKxGxE.reshape(B, 1, H, E)
   if cached:  # decode: few queries against the whole cache, one block
     visible_BxSxT = _visible_BxSxT(positions_BxS, segment_ids_BxS, T, True, window)
     bias_Bx1x1xSxT = _bias(visible_BxSxT)[:, None, None]
@@ -222,22 +218,6 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
                                  v_BxKxTxE[:, :, :Ti], dtype).reshape(B, K, G, Sb, E))
   out_BxKxGxSxE = outs[0] if n_blocks == 1 else jnp.concatenate(outs, axis=3)
   return out_BxKxGxSxE.transpose(0, 3, 1, 2, 4).reshape(B, S, H, E)
-
-
-def _one_query(q_BxKxGxE, k_BxKxTxE, v_BxKxTxE, bias_BxT, dtype):
-  """One query per row against the cache as multiply-and-sum fusions, not batched matmuls:
-  with G query heads per kv head each (b, k) pair's GEMM is [G, E] x [E, T], B * K tiny GEMMs
-  dispatched one by one, where one fused loop reads the cache once (one layer alone, AVX-512
-  EPYC: 57 -> 43 us at batch 8, 22 -> 15 us at batch 1; with 4 or more queries the matmuls
-  win). Same maths as `_softmax_times_v` (normalised after the sum over T). Which library runs
-  the sums matters: `decoding.decode_loop.compiler_options`."""
-  f32 = jnp.float32
-  logits_BxKxGxT = jnp.sum(q_BxKxGxE[:, :, :, None, :].astype(f32)
-                           * k_BxKxTxE[:, :, None, :, :].astype(f32), axis=-1)
-  logits_BxKxGxT = logits_BxKxGxT + bias_BxT[:, None, None, :]
-  p_BxKxGxT = jnp.exp(logits_BxKxGxT - jnp.max(logits_BxKxGxT, axis=-1, keepdims=True))
-  out_BxKxGxE = jnp.sum(p_BxKxGxT[..., None] * v_BxKxTxE[:, :, None, :, :].astype(f32), axis=3)
-  return (out_BxKxGxE / jnp.sum(p_BxKxGxT, axis=-1)[..., None]).astype(dtype)
 
 
 def _softmax_times_v(logits_BxKxQxT, v_BxKxTxE, dtype):

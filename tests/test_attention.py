@@ -79,26 +79,6 @@ def test_cache_path_equals_reference(impl):
                              rtol=1e-6)
 
 
-@pytest.mark.parametrize("window", [0, 4])
-def test_one_query_cache_step_equals_reference(window):
-  """The cpu kernel's plain-decoding step (one query per row, multiply-and-sum instead of
-  batched matmuls) against the reference, values and gradients, with stale slots past each
-  row's position that must stay unread, and with a sliding window."""
-  q, k, v = _qkv(1, 20, seed=3)
-  pos = jnp.asarray([[6], [13]], jnp.int32)
-  hm = lambda x: x.transpose(0, 2, 1, 3)
-  ref = functools.partial(attention.einsum_attention, positions_BxS=pos, segment_ids_BxS=None,
-                          cached=True, dtype=jnp.float32, window=window)
-  fn = lambda q, k, v: attention.attend(q, hm(k), hm(v), pos, cached=True, impl="cpu",
-                                        window=window, kv_heads_major=True)
-  got, want = _value_and_grads(fn, q, k, v), _value_and_grads(ref, q, k, v)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-5)
-  np.testing.assert_array_equal(fn(q, k.at[:, 14:].set(1e3), v.at[:, 14:].set(1e3)), fn(q, k, v))
-  hlo = jax.jit(fn).lower(q, k, v).compile().as_text()
-  assert " dot(" not in hlo  # the one-query path: fused sums, no batched matmul
-
-
 @pytest.mark.parametrize("impl", ["cpu", "xla", "einsum"])
 def test_heads_major_cache_equals_cache_as_given(impl):
   """The KV cache is stored [B, K, T, E] (layers.init_cache): attend(kv_heads_major=True) on the

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from mtp_jax.decoding import decode as decode_lib
-from mtp_jax.decoding import decode_loop
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as train_lib
@@ -86,23 +85,6 @@ def test_random_model_ragged_batch(random_model, k):
   g, s = both(args, params, RAGGED, k=k, max_new_tokens=MAX_NEW, eos_id=-1)
   assert_same(g, s)
   assert (g.lengths == MAX_NEW).all()
-
-
-def test_plain_decoding_of_four_rows_equals_speculative(random_model, monkeypatch):
-  """From 4 rows on, plain decoding on one CPU device compiles without YNNPACK fusions
-  (decode_loop.compiler_options): its tokens still equal the speculative loop's, compiled with
-  them. A flag the user set, or the CPU defaults turned off, keep XLA's options."""
-  args, params = random_model
-  g, s = both(args, params, RAGGED + [[2, 8]], k=2, max_new_tokens=MAX_NEW, eos_id=-1)
-  assert_same(g, s)
-  opts = decode_loop.compiler_options
-  assert opts(4, 1) == {"xla_cpu_experimental_ynn_fusion_type": ""}
-  assert opts(3, 1) is None and opts(4, 2) is None
-  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=reduce")
-  assert opts(4, 1) is None
-  monkeypatch.setenv("XLA_FLAGS", "")
-  monkeypatch.setenv("MTP_JAX_CPU_DEFAULTS", "0")
-  assert opts(4, 1) is None
 
 
 def test_trained_ragged_batch_accepts_drafts(trained):

@@ -35,7 +35,6 @@ import numpy as np
 from mtp_jax import heads
 from mtp_jax.config import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, unembedding, unrolled
-from mtp_jax.decoding import decode_loop
 from mtp_jax.decoding.tree import Tree, parse
 
 PRIOR = 4.0  # pseudo-cycles of the pooled histogram added to each row's
@@ -121,9 +120,7 @@ def _forward_fn(params, args, tree: Tree, batch, context):
     w_DxV = unembedding(p, a)[:, :a.vocab_size]
     return jax.lax.fori_loop(0, n, lambda _, x: body(p, w_DxV, x), (toks, c))[0]
 
-  # compiled as the decoding loop of this window will be (decode_loop.compiler_options)
-  f = jax.jit(run).lower(p, cache, LOOP_COUNTS[-1]).compile(
-      compiler_options=decode_loop.compiler_options(batch, k))
+  f = jax.jit(run)
   jax.block_until_ready(f(p, cache, LOOP_COUNTS[-1]))
   return lambda n: jax.block_until_ready(f(p, cache, n))
 

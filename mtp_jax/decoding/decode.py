@@ -42,7 +42,6 @@ import numpy as np
 
 from mtp_jax import heads
 from mtp_jax.decoding import costmodel
-from mtp_jax.decoding import decode_loop
 from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.decoding import tree as tree_lib
 from mtp_jax.decoding.costmodel import forward_seconds  # noqa: F401  (the cost model's inputs)
@@ -125,8 +124,7 @@ class Decoder:
       self._compiled = decode_chain.lower(
           self.params, i32(batch, prompt_len), i32(batch), i32(), i32(),
           sampling_lib.Settings(f32, i32(), f32), i32(), i32(), self.stops, args=self.args,
-          max_new_tokens=max_new_tokens, sample=sampling).compile(
-              compiler_options=decode_loop.compiler_options(batch, k))
+          max_new_tokens=max_new_tokens, sample=sampling).compile()
     else:
       self._compiled = tree_lib.decode_tree.lower(
           self.params, i32(batch, prompt_len), i32(batch), i32(), i32(), i32(), args=self.args,

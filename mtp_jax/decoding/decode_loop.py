@@ -10,14 +10,13 @@ state: the same compiled program serves a short probe (`mtp_jax.decoding.costmod
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from mtp_jax import heads, layers, runtime
+from mtp_jax import heads
 from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.decoding import stops as stops_lib
 from mtp_jax.model_args import ModelArgs
@@ -85,27 +84,6 @@ def draft_dists(h_kxBxSxD, W_DxV, slot_B, sp):
     return jnp.zeros((slot_B.shape[0], 0, W_DxV.shape[1]), jnp.float32)
   return jnp.stack([sampling_lib.probs(sampling_lib.head_logits(h_BxSxD, W_DxV)[rows_B, slot_B],
                                        sp) for h_BxSxD in h_kxBxSxD[1:]], axis=1)
-
-
-PLAIN_ROWS_WITHOUT_YNN = 4  # plain decoding of this many rows or more: no YNNPACK fusions
-
-
-def compiler_options(batch: int, k: int) -> dict | None:
-  """XLA options of a decoding loop of `batch` rows and k heads. On one CPU device, plain
-  decoding (k = 1) of PLAIN_ROWS_WITHOUT_YNN rows or more is compiled without YNNPACK fusions:
-  there XLA's own loops of the one-query attention (`attention._one_query`) and of the norms
-  beat YNNPACK's small reductions (AVX-512 EPYC, one process, the two programs alternated:
-  batch 4 1.30x, 8 1.14-1.28x, 16 1.31x), while at batch 1 they ran 4x slower (q's RoPE then
-  fuses into the logits' loop, recomputed for every cache slot), batch 2 0.90x, and a 4-head
-  window at batch 8 0.89x. Else, and wherever the user chose the flag (XLA_FLAGS) or turned
-  the CPU defaults off (runtime.OPT_OUT), XLA's options as the process has them."""
-  flag = runtime.CPU_XLA_FLAGS[0].split("=")[0]
-  chosen = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] == flag]
-  if (k == 1 and batch >= PLAIN_ROWS_WITHOUT_YNN and layers.one_cpu_device()
-      and chosen in ([], [runtime.CPU_XLA_FLAGS[0]])
-      and os.environ.get(runtime.OPT_OUT, "1").strip().lower() not in ("0", "false", "off", "no")):
-    return {flag.lstrip("-"): ""}
-  return None
 
 
 @functools.partial(jax.jit, static_argnames=("args", "max_new_tokens", "sample"))

@@ -10,8 +10,9 @@ no padding) to exactly --max_new tokens (EOS ignored: fixed work). HF runs `gene
 False, use_cache=True)`, its default dynamic KV cache. Every side is its own worker process (as
 a user runs either one; PyTorch's OpenMP threads spin after a call and would slow a JAX call
 that follows in the same process), built and warmed up once, then asked for one call each,
-round after round, so machine noise hits all alike. Records per batch size: tokens/s of each
-side (median over rounds), the ratio to HF (median of same-round ratios too) and whether the
+round after round (each round starting one side later), so machine noise hits all alike.
+Records per batch size: tokens/s of each side (median over rounds), the ratio to HF (median of
+same-round ratios too) and whether the
 tokens agree: HF's greedy tokens against ours, row by row (a float32 near-tie can flip one
 argmax; the first differing position is recorded), our speculative tokens against our greedy
 (exact by construction). Each record names the machine (CPU model, ISA flags).
@@ -169,10 +170,11 @@ def bench_batch(workers, prompts, args):
   for w in workers.values():  # warm-up: compiles, caches, allocator
     w.call(prompts)
   rounds = {name: [] for name in workers}
-  for _ in range(args.reps):
-    for name, w in workers.items():
+  order = list(workers)
+  for i in range(args.reps):  # each round starts one side later: no side always follows another
+    for name in order[i % len(order):] + order[:i % len(order)]:
       time.sleep(args.settle)  # let the previous side's threads go idle
-      rounds[name].append(w.call(prompts))
+      rounds[name].append(workers[name].call(prompts))
   tokens = batch * args.max_new
   rec = {"batch": batch, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new,
          "reps": args.reps, "sides": {}}

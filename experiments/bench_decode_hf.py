@@ -12,10 +12,10 @@ a user runs either one; PyTorch's OpenMP threads spin after a call and would slo
 that follows in the same process), built and warmed up once, then asked for one call each,
 round after round (each round starting one side later), so machine noise hits all alike.
 Records per batch size: tokens/s of each side (median over rounds), the ratio to HF (median of
-same-round ratios too) and whether the
-tokens agree: HF's greedy tokens against ours, row by row (a float32 near-tie can flip one
-argmax; the first differing position is recorded), our speculative tokens against our greedy
-(exact by construction). Each record names the machine (CPU model, ISA flags).
+same-round ratios too) and whether the tokens agree: HF's greedy tokens against ours, row by
+row (a float32 near-tie can flip one argmax; the first differing position is recorded), our
+speculative tokens against our greedy (exact by construction). Each record names the machine
+(CPU model, ISA flags).
 `--ref_tree DIR` adds plain greedy decoding by another checkout's code as side plain@ref (its
 tokens checked against ours) and records this code's speed over it, the median same-round
 ratio and its quartiles: a code change judged in one run.

@@ -129,11 +129,10 @@ REF = "plain@ref"  # the side of --ref_tree
 
 class Worker:
   def __init__(self, args, side):
-    cmd, env = common.module_command("bench_decode_hf")
     cwd = None
-    if side == REF:  # plain decoding by the other checkout's code: it leads PYTHONPATH
-      side, cwd = "plain", os.path.abspath(args.ref_tree)
-      env["PYTHONPATH"] = os.pathsep.join([cwd, env["PYTHONPATH"]])
+    if side == REF:  # plain decoding by the other checkout's code
+      side, cwd = "plain", args.ref_tree
+    cmd, env = common.module_command("bench_decode_hf", tree=cwd)
     cmd += ["--worker", side, "--workdir", os.path.abspath(args.workdir), "--prompt_len",
             str(args.prompt_len), "--max_new", str(args.max_new), "--seed", str(args.seed)]
     self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -170,9 +169,8 @@ def bench_batch(workers, prompts, args):
   for w in workers.values():  # warm-up: compiles, caches, allocator
     w.call(prompts)
   rounds = {name: [] for name in workers}
-  order = list(workers)
   for i in range(args.reps):  # each round starts one side later: no side always follows another
-    for name in order[i % len(order):] + order[:i % len(order)]:
+    for name in common.rotated(list(workers), i):
       time.sleep(args.settle)  # let the previous side's threads go idle
       rounds[name].append(workers[name].call(prompts))
   tokens = batch * args.max_new
@@ -193,10 +191,8 @@ def bench_batch(workers, prompts, args):
       side.update({k: v for k, v in rs[-1].items() if k not in ("seconds", "tokens")})
     rec["sides"][name] = side
   if REF in rounds:  # this code's plain decoding over the other checkout's, round by round
-    ref_s = np.array([r["seconds"] for r in rounds[REF]])
-    ratio = ref_s / np.array([r["seconds"] for r in rounds["plain"]])
-    rec["plain_over_ref_same_round"] = float(np.median(ratio))
-    rec["plain_over_ref_quartiles"] = np.quantile(ratio, [0.25, 0.75]).tolist()
+    rec["plain_over_ref_same_round"], rec["plain_over_ref_quartiles"] = common.same_round(
+        [r["seconds"] for r in rounds[REF]], [r["seconds"] for r in rounds["plain"]])
     rec["ref_tree"] = os.path.abspath(args.ref_tree)
   diff = first_difference(greedy_toks, rounds["hf"][-1]["tokens"])
   rec["hf_tokens_agree"] = all(d is None for d in diff)
@@ -225,8 +221,7 @@ def main():
   args = ap.parse_args()
   if args.worker:
     return worker(args)
-  if args.ref_tree and not os.path.isfile(
-      os.path.join(args.ref_tree, "experiments", "bench_decode_hf.py")):
+  if args.ref_tree and not common.is_checkout(args.ref_tree, "bench_decode_hf"):
     ap.error(f"--ref_tree: {args.ref_tree!r} is not a checkout of this repository "
              "(no experiments/bench_decode_hf.py in it)")
   sides = ["hf", "plain", *args.variants.split(), *([REF] if args.ref_tree else [])]

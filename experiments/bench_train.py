@@ -149,11 +149,8 @@ def _peer_runs(args, overrides):
           info.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
         runs[(fw, n)] = (one, info)
         continue
-      cmd, env = common.module_command("bench_train")
-      cwd = None
-      if fw == REF:  # the other checkout's JAX step: its code leads PYTHONPATH
-        cwd = os.path.abspath(args.ref_tree)
-        env["PYTHONPATH"] = os.pathsep.join([cwd, env["PYTHONPATH"]])
+      cwd = args.ref_tree if fw == REF else None  # the other checkout's JAX step
+      cmd, env = common.module_command("bench_train", tree=cwd)
       cmd += ["--config", args.config, "--peer_worker", f"{fw.split('@')[0]}:{n}", "--set",
               *args.set]
       p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -184,9 +181,8 @@ def peer(args, overrides):
   times = {v: [] for v in runs}
   cpu_times = {v: [] for v in runs}
   first_times = {v: [] for v in runs}
-  order = list(runs)
   for i in range(args.steps):  # each round starts one run later: no run always follows another
-    for v in order[i % len(order):] + order[:i % len(order)]:
+    for v in common.rotated(list(runs), i):
       time.sleep(args.settle)  # the previous run's threads (Eigen's, OpenMP's) stop spinning
       burst = runs[v][0](args.burst)
       first_times[v].append(burst[0][0])
@@ -226,10 +222,9 @@ def peer(args, overrides):
     rec["jax_over_torch_same_round_median"] = float(np.median(
         np.asarray(times[("torch", n)]) / np.asarray(times[("jax", n)])))
     if args.ref_tree:  # this code's step over the other checkout's, round by round
-      ratio = np.asarray(times[(REF, n)]) / np.asarray(times[("jax", n)])
+      median, quartiles = common.same_round(times[(REF, n)], times[("jax", n)])
       rec.update(ref_tree=os.path.abspath(args.ref_tree), ref_step_seconds=times[(REF, n)],
-                 jax_over_ref_same_round_median=float(np.median(ratio)),
-                 jax_over_ref_quartiles=np.quantile(ratio, [0.25, 0.75]).tolist())
+                 jax_over_ref_same_round_median=median, jax_over_ref_quartiles=quartiles)
     records.append(rec)
   print("| n_future | params jax / torch | jax tokens/s | torch tokens/s | jax / torch "
         "| same-round median |")
@@ -334,8 +329,8 @@ def main():
     overrides = common.parse_overrides(args.set)
     common.apply_overrides(load_file(args.config), overrides)
     cpus = _parse_cpus(args.cpus)
-    if args.ref_tree and (args.in_process or not args.peer or not os.path.isfile(
-        os.path.join(args.ref_tree, "experiments", "bench_train.py"))):
+    if args.ref_tree and (args.in_process or not args.peer
+                          or not common.is_checkout(args.ref_tree, "bench_train")):
       raise ValueError(f"--ref_tree: needs --peer (not --in_process) and a checkout of this "
                        f"repository, got {args.ref_tree!r}")
     extra = {}

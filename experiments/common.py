@@ -15,12 +15,32 @@ from mtp_jax import cli
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def module_command(module: str, env=None) -> tuple[list[str], dict]:
+def module_command(module: str, env=None, tree: str | None = None) -> tuple[list[str], dict]:
   """(argv, environment) that run `python -m experiments.<module>` in a child process from any
-  folder: the repository root leads PYTHONPATH."""
+  folder: the repository root leads PYTHONPATH. `tree`: another checkout of this repository
+  (`--ref_tree`), whose code then leads it instead (start the child in that folder too)."""
   env = dict(os.environ if env is None else env)
-  env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+  lead = [os.path.abspath(tree)] if tree else []
+  env["PYTHONPATH"] = os.pathsep.join(lead + [ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
   return [sys.executable, "-m", f"experiments.{module}"], env
+
+
+def is_checkout(tree: str, module: str) -> bool:
+  """Whether folder `tree` is a checkout of this repository holding experiments/<module>.py."""
+  return os.path.isfile(os.path.join(tree, "experiments", f"{module}.py"))
+
+
+def rotated(order: list, i: int) -> list:
+  """`order` starting at its (i mod n)-th item: round i of an interleaved benchmark, so that no
+  run always follows the same other one."""
+  return order[i % len(order):] + order[:i % len(order)]
+
+
+def same_round(ref_s, new_s) -> tuple[float, list[float]]:
+  """(median, [25th, 75th percentile]) of ref / new seconds, round by round: the new code's
+  speed over the reference's."""
+  ratio = np.asarray(ref_s) / np.asarray(new_s)
+  return float(np.median(ratio)), np.quantile(ratio, [0.25, 0.75]).tolist()
 
 
 def write_json(record, path: str | None, indent: int = 2) -> str:

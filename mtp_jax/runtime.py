@@ -90,6 +90,28 @@ def apply_cpu_defaults(reexec: bool = True) -> dict:
   return done
 
 
+# jaxlib 0.10's own YNNPACK list (what XLA_FLAGS without CPU_XLA_FLAGS gives): the dots too.
+DECODE_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
+
+
+def decode_compiler_options(batch: int) -> dict | None:
+  """`compile()` options of a decoding program of `batch` rows (`decoding.decode.Decoder`):
+  where the CPU defaults took YNNPACK's dots away (CPU_XLA_FLAGS in XLA_FLAGS, a CPU backend),
+  a program of 2 or more rows gets them back. Its weight matmuls have 2 to 16 * k rows, where
+  XLA's Eigen GEMM packs each cold weight matrix before using it (greedy decoding at batch 2
+  took 3.5x as long as at batch 1 on an AMD EPYC family 25; with YNNPACK's dots 1.13x-1.38x
+  faster at batch 2-16 there, see docs/cpu_speed.md); one row stays with Eigen's
+  matrix-vector path. Every program of a batch
+  (plain, chain and tree, the cost model's probes) compiles alike: speculative decoding is exact
+  because a window's rows and a one-token step's are summed by the same kernels."""
+  if batch < 2 or CPU_XLA_FLAGS[0] not in os.environ.get("XLA_FLAGS", "").split():
+    return None
+  import jax
+  if jax.default_backend() != "cpu":
+    return None
+  return {"xla_cpu_experimental_ynn_fusion_type": DECODE_YNN_FUSIONS}
+
+
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 

@@ -7,7 +7,10 @@ different fusion or matmul tiling for k tokens than for one); so the check runs 
 in a subprocess started without those flags (MTP_JAX_TEST_FAST_COMPILE=0), for every head kind
 and both dtypes, small enough to compile in a few seconds each. Four (kind, dtype) cases, not
 all six: every kind and every dtype appear, parallel in both dtypes (unoptimised compiles are
-~7x slower, and f32 / bf16 projection and sequential cases add no code path the four lack)."""
+~7x slower, and f32 / bf16 projection and sequential cases add no code path the four lack).
+Then once more with the CPU defaults' XLA_FLAGS (runtime.CPU_XLA_FLAGS, what the CLIs run
+with): there a decoding program of 2+ rows compiles with YNNPACK's dots back
+(runtime.decode_compiler_options) and one of 1 row without, so both are checked in bf16."""
 
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CASES = (("parallel", "float32"), ("parallel", "bfloat16"), ("projection", "bfloat16"),
-         ("sequential", "float32"))
+ROWS = [0, 1, 2, 3]  # the prompts of a case (of lengths 3, 1, 9, 5)
+CASES = (("parallel", "float32", ROWS), ("parallel", "bfloat16", ROWS),
+         ("projection", "bfloat16", ROWS), ("sequential", "float32", ROWS))
+CPU_DEFAULTS_CASES = (("parallel", "bfloat16", ROWS), ("parallel", "bfloat16", [2]))
 
 CHECK = r"""
 import json, os, sys
@@ -28,19 +33,22 @@ import conftest  # MTP_JAX_TEST_FAST_COMPILE=0: leaves XLA_FLAGS alone
 flags = os.environ.get("XLA_FLAGS", "")
 assert "optimization_level" not in flags and "fusion_emitters" not in flags, flags
 import numpy as np
+from mtp_jax import runtime
 from mtp_jax.decoding import decode
 out = {"xla_flags": flags, "cases": []}
 CASES = json.loads(sys.argv[2])
 rng = np.random.default_rng(2)
-prompts = [list(rng.integers(0, 59, n)) for n in (3, 1, 9, 5)]
-for kind, dtype in CASES:
+all_prompts = [list(rng.integers(0, 59, n)) for n in (3, 1, 9, 5)]
+for kind, dtype, rows in CASES:
+  prompts = [all_prompts[i] for i in rows]
   c = conftest.tiny_config(kind, n_future=3)
   c.model.dtype, c.model.max_len = dtype, 64
   model, params = conftest.tiny_model(c, seed=3)
   kw = dict(max_new_tokens=40, eos_id=60, pad_id=59)
   g = decode.plain(params, model.args, prompts, **kw)
   s = decode.decode(params, model.args, prompts, k=3, **kw)
-  out["cases"].append({"kind": kind, "dtype": dtype,
+  out["cases"].append({"kind": kind, "dtype": dtype, "rows": rows,
+                       "options": runtime.decode_compiler_options(len(rows)),
                        "equal": bool(np.array_equal(g.tokens, s.tokens)
                                      and np.array_equal(g.lengths, s.lengths)),
                        "longest": int(g.lengths.max()),
@@ -49,16 +57,33 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_speculative_equals_greedy_with_default_compiler_flags():
+def _check(cases, cpu_defaults: bool):
+  from mtp_jax import runtime
   env = dict(os.environ, MTP_JAX_TEST_FAST_COMPILE="0", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   flags = [f for f in env.get("XLA_FLAGS", "").split()  # this process's conftest added them
            if not f.startswith(("--xla_backend_optimization_level", "--xla_cpu_use_fusion"))]
   env["XLA_FLAGS"] = " ".join(flags)
-  p = subprocess.run([sys.executable, "-c", CHECK, ROOT, json.dumps(CASES)], env=env, cwd=ROOT,
+  if cpu_defaults:
+    env["XLA_FLAGS"] = runtime.merged_xla_flags(env["XLA_FLAGS"])
+  p = subprocess.run([sys.executable, "-c", CHECK, ROOT, json.dumps(cases)], env=env, cwd=ROOT,
                      capture_output=True, text=True, timeout=900)
   assert p.returncode == 0, p.stderr[-3000:]
   out = json.loads([l for l in p.stdout.splitlines() if l.startswith("RESULT")][-1][6:])
-  assert [[c["kind"], c["dtype"]] for c in out["cases"]] == [list(c) for c in CASES]
+  assert [[c["kind"], c["dtype"], c["rows"]] for c in out["cases"]] == [list(c) for c in cases]
   for case in out["cases"]:
     assert case["equal"], case
-    assert case["longest"] == 40 and case["drafts_accepted"] > 0, case  # not vacuous
+    assert case["drafts_accepted"] > 0, case  # not vacuous
+    assert case["longest"] == 40, case
+  return out["cases"]
+
+
+def test_speculative_equals_greedy_with_default_compiler_flags():
+  for case in _check(CASES, cpu_defaults=False):
+    assert case["options"] is None, case  # jaxlib's own flags: nothing to add
+
+
+def test_speculative_equals_greedy_with_cpu_defaults():
+  """The CLIs' flags: batch 4 with YNNPACK's dots (options given), batch 1 without."""
+  ynn = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
+                                                  "LIBRARY_FUSION_TYPE_REDUCE"}
+  assert [c["options"] for c in _check(CPU_DEFAULTS_CASES, cpu_defaults=True)] == [ynn, None]

@@ -84,6 +84,23 @@ def test_merged_xla_flags():
       "--xla_cpu_experimental_ynn_fusion_type=")
 
 
+def test_decode_compiler_options(monkeypatch):
+  """YNNPACK's dots back for decoding programs of 2+ rows, only where the CPU defaults took them
+  away (a user's own ynn flag, or none, is left to XLA_FLAGS); the option compiles."""
+  monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=1 {YNN}")
+  options = runtime.decode_compiler_options(2)
+  assert options == {"xla_cpu_experimental_ynn_fusion_type": runtime.DECODE_YNN_FUSIONS}
+  assert runtime.decode_compiler_options(1) is None
+  for flags in ("", "--xla_cpu_experimental_ynn_fusion_type=individual_dot"):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert runtime.decode_compiler_options(8) is None
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((4, 64))
+  compiled = jax.jit(lambda a, b: a @ b).lower(x, x.T).compile(compiler_options=options)
+  assert "ynn" in compiled.as_text()
+
+
 def test_machine_info_and_every_bench_record_names_its_machine():
   info = runtime.machine_info()
   assert info["cpu_count"] == os.cpu_count() and info["accelerator"]["platform"]

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import heads
+from mtp_jax import heads, runtime
 from mtp_jax.decoding import costmodel
 from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.decoding import tree as tree_lib
@@ -120,15 +120,16 @@ class Decoder:
     t0 = time.perf_counter()
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
+    options = runtime.decode_compiler_options(batch)
     if tree is None:
       self._compiled = decode_chain.lower(
           self.params, i32(batch, prompt_len), i32(batch), i32(), i32(),
           sampling_lib.Settings(f32, i32(), f32), i32(), i32(), self.stops, args=self.args,
-          max_new_tokens=max_new_tokens, sample=sampling).compile()
+          max_new_tokens=max_new_tokens, sample=sampling).compile(compiler_options=options)
     else:
       self._compiled = tree_lib.decode_tree.lower(
           self.params, i32(batch, prompt_len), i32(batch), i32(), i32(), i32(), args=self.args,
-          max_new_tokens=max_new_tokens, tree=tree).compile()
+          max_new_tokens=max_new_tokens, tree=tree).compile(compiler_options=options)
     self.compile_seconds = time.perf_counter() - t0
 
   def __call__(self, prompts: list, *, eos_id: int, pad_id: int, temperature: float = 0.0,

@@ -121,18 +121,24 @@ def machine_info(accelerator: bool = True) -> dict:
   on (platform, device kind, count; starts JAX's backend unless accelerator=False)."""
   import platform
   model, flags_ = platform.processor() or platform.machine(), set()
+  ids = {}  # x86 "cpu family" and "model": a VM's "AMD EPYC" names no generation, these do
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       for line in f:
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+        key = key.strip()
+        if key == "model name" and model in ("", platform.machine(), platform.processor()):
           model = value.strip()
-        elif key.strip() in ("flags", "Features") and not flags_:
+        elif key in ("flags", "Features") and not flags_:
           flags_ = set(value.split())
+        elif key in ("cpu family", "model") and key not in ids and value.strip().isdigit():
+          ids[key] = int(value)
   except OSError:
     pass
   info = {"cpu_model": model, "isa": {f: f in flags_ for f in ISA_FLAGS},
           "cpu_count": os.cpu_count(), "arch": platform.machine()}
+  if ids:
+    info["cpu_family"], info["cpu_model_id"] = ids.get("cpu family"), ids.get("model")
   if accelerator:
     import jax
     devices = jax.devices()

@@ -174,7 +174,7 @@ _IN_ONE = ([("module", "mtp_jax.data.prepare", []), ("module", "mtp_jax.evaluati
                "analyze_sweep", "bench_accel", "bench_cpu_defaults", "bench_cpu_dots", "bench_data",
                "bench_decode", "bench_decode_hf", "bench_finetune", "bench_memory", "bench_sandbox",
                "bench_train",
-               "decode_acceptance", "demo_report", "distill_heads", "plan_memory",
+               "decode_acceptance", "demo_report", "distill_heads", "plan_memory", "profile_decode",
                "small_tasks", "sweep")])
 _RUN_IN_ONE = """
 import json, runpy, sys

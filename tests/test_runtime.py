@@ -109,6 +109,9 @@ def test_machine_info_and_every_bench_record_names_its_machine():
     with open("/proc/cpuinfo") as f:
       flags = next((l.split(":", 1)[1].split() for l in f if l.startswith("flags")), [])
     assert info["isa"] == {k: k in flags for k in runtime.ISA_FLAGS}
+    with open("/proc/cpuinfo") as f:
+      family = next((l.split(":", 1)[1].strip() for l in f if l.startswith("cpu family")), None)
+    assert info.get("cpu_family") == (int(family) if family else None)
   records = runtime.stamp([{"a": 1}, {"b": 2, "machine": "kept"}])
   assert records[0]["machine"] == info and records[1]["machine"] == "kept"
   # every experiment that writes a results file stamps it (a bench record names its machine)

@@ -1,0 +1,65 @@
+"""experiments/profile_decode.py: the decoding loop's body profiled op by op (a tiny random model,
+two batch sizes, a few tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import tiny_config, tiny_model
+from experiments import profile_decode
+from mtp_jax.convert.workdir import write_workdir
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  c = tiny_config("parallel", n_future=2)
+  _, params = tiny_model(c)
+  wd = str(tmp_path_factory.mktemp("profile") / "wd")
+  write_workdir(wd, c, params)
+  return wd
+
+
+def test_profile_names_the_body_ops_and_their_classes(workdir, tmp_path, capsys):
+  out = tmp_path / "p.json"
+  assert profile_decode.main(["--workdir", workdir, "--batches", "1,2", "--reps", "1",
+                              "--max_new", "6", "--prompt_len", "4", "--top", "5",
+                              "--json", str(out)]) == 0
+  records = json.loads(out.read_text())
+  assert [r["batch"] for r in records] == [1, 2]
+  for r in records:
+    assert r["machine"]["cpu_count"] and r["forwards"] == 6  # prefill + 5 one-token steps
+    assert 0 < r["ops_timed"] <= r["ops_in_body"] and len(r["top_ops"]) <= 5
+    assert r["top_ops"] == sorted(r["top_ops"], key=lambda o: -o["us_per_call"])
+    assert all(o["calls"] >= 5 for o in r["top_ops"])  # once per step, at least
+    classes = {c.replace(" (library)", "") for c in r["share_by_class"]}
+    assert {"dot", "batched dot"} <= classes, classes  # the weights' and attention's matmuls
+    assert abs(sum(r["share_by_class"].values()) - 1) < 0.01
+    assert r["compile_options"] is None  # pytest: the CPU defaults' flag is not in XLA_FLAGS
+
+
+def test_while_body_ops_classes():
+  hlo = """HloModule m
+
+%fused_dot (p: f32[2,8]) -> f32[2,4] {
+  %d = f32[2,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (s: (f32[2,8])) -> (f32[2,8]) {
+  %ynn_fusion.1 = f32[2,4]{1,0} fusion(%x), kind=kCustom, calls=%fused_dot
+  %dot.2 = f32[2,4,1,9]{3,2,1,0} dot(%q, %k), lhs_batch_dims={0,1}, lhs_contracting_dims={3}
+  %copy.3 = f32[2]{0} copy(%y)
+  %add_fusion = f32[2,8]{1,0} fusion(%z), kind=kLoop, calls=%fused_add
+}
+
+ENTRY %main (p: f32[2,8]) -> f32[2,8] {
+  %w = (f32[2,8]) while(%t), condition=%cond, body=%body
+}
+"""
+  ops = profile_decode.while_body_ops(hlo)
+  assert {n: (o["class"], o["library"]) for n, o in ops.items()} == {
+      "ynn_fusion.1": ("dot", True), "dot.2": ("batched dot", False),
+      "copy.3": ("copy", False), "add_fusion": ("elementwise", False)}
+  with pytest.raises(ValueError, match="no while loop"):
+    profile_decode.while_body_ops("HloModule m\n")

@@ -24,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = [0, 1, 2, 3]  # the prompts of a case (of lengths 3, 1, 9, 5)
 CASES = (("parallel", "float32", ROWS), ("parallel", "bfloat16", ROWS),
          ("projection", "bfloat16", ROWS), ("sequential", "float32", ROWS))
-CPU_DEFAULTS_CASES = (("parallel", "bfloat16", ROWS), ("parallel", "bfloat16", [2]))
+CPU_DEFAULTS_CASES = (("parallel", "bfloat16", ROWS), ("parallel", "bfloat16", [2]),
+                      ("parallel", "bfloat16", ROWS, "2,1"))
 
 CHECK = r"""
 import json, os, sys
@@ -39,15 +40,15 @@ out = {"xla_flags": flags, "cases": []}
 CASES = json.loads(sys.argv[2])
 rng = np.random.default_rng(2)
 all_prompts = [list(rng.integers(0, 59, n)) for n in (3, 1, 9, 5)]
-for kind, dtype, rows in CASES:
+for kind, dtype, rows, *tree in CASES:
   prompts = [all_prompts[i] for i in rows]
   c = conftest.tiny_config(kind, n_future=3)
   c.model.dtype, c.model.max_len = dtype, 64
   model, params = conftest.tiny_model(c, seed=3)
   kw = dict(max_new_tokens=40, eos_id=60, pad_id=59)
   g = decode.plain(params, model.args, prompts, **kw)
-  s = decode.decode(params, model.args, prompts, k=3, **kw)
-  out["cases"].append({"kind": kind, "dtype": dtype, "rows": rows,
+  s = decode.decode(params, model.args, prompts, k=3, tree=tree[0] if tree else None, **kw)
+  out["cases"].append({"kind": kind, "dtype": dtype, "rows": rows, "tree": s.tree,
                        "options": runtime.decode_compiler_options(len(rows)),
                        "equal": bool(np.array_equal(g.tokens, s.tokens)
                                      and np.array_equal(g.lengths, s.lengths)),
@@ -69,7 +70,8 @@ def _check(cases, cpu_defaults: bool):
                      capture_output=True, text=True, timeout=900)
   assert p.returncode == 0, p.stderr[-3000:]
   out = json.loads([l for l in p.stdout.splitlines() if l.startswith("RESULT")][-1][6:])
-  assert [[c["kind"], c["dtype"], c["rows"]] for c in out["cases"]] == [list(c) for c in cases]
+  assert [[c["kind"], c["dtype"], c["rows"]] for c in out["cases"]] == [list(c[:3]) for c in cases]
+  assert [c["tree"] is not None for c in out["cases"]] == [len(c) > 3 for c in cases]
   for case in out["cases"]:
     assert case["equal"], case
     assert case["drafts_accepted"] > 0, case  # not vacuous
@@ -83,7 +85,9 @@ def test_speculative_equals_greedy_with_default_compiler_flags():
 
 
 def test_speculative_equals_greedy_with_cpu_defaults():
-  """The CLIs' flags: batch 4 with YNNPACK's dots (options given), batch 1 without."""
+  """The CLIs' flags: batch 4 with YNNPACK's dots (options given; a chain and a tree), batch 1
+  without."""
   ynn = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
                                                   "LIBRARY_FUSION_TYPE_REDUCE"}
-  assert [c["options"] for c in _check(CPU_DEFAULTS_CASES, cpu_defaults=True)] == [ynn, None]
+  assert [c["options"] for c in _check(CPU_DEFAULTS_CASES, cpu_defaults=True)] == [ynn, None,
+                                                                                  ynn]

@@ -17,6 +17,9 @@ only where the user has not already decided:
   GLIBC_TUNABLES already names the tunable, inside a notebook kernel or pytest, and when JAX
   is already imported (the re-exec would repeat that import's seconds; set it in the launcher).
 
+Decoding programs of 2+ rows then get YNNPACK's dots back per program
+(`decode_compiler_options`, where that flag is in XLA_FLAGS).
+
 MTP_JAX_CPU_DEFAULTS=0 turns all of this off; MTP_JAX_CPU_DEFAULTS=flags keeps the XLA flags
 and skips the re-exec.
 """
@@ -97,13 +100,13 @@ DECODE_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_RED
 def decode_compiler_options(batch: int) -> dict | None:
   """`compile()` options of a decoding program of `batch` rows (`decoding.decode.Decoder`):
   where the CPU defaults took YNNPACK's dots away (CPU_XLA_FLAGS in XLA_FLAGS, a CPU backend),
-  a program of 2 or more rows gets them back. Its weight matmuls have 2 to 16 * k rows, where
-  XLA's Eigen GEMM packs each cold weight matrix before using it (greedy decoding at batch 2
-  took 3.5x as long as at batch 1 on an AMD EPYC family 25; with YNNPACK's dots 1.13x-1.38x
-  faster at batch 2-16 there, see docs/cpu_speed.md); one row stays with Eigen's
-  matrix-vector path. Every program of a batch
-  (plain, chain and tree, the cost model's probes) compiles alike: speculative decoding is exact
-  because a window's rows and a one-token step's are summed by the same kernels."""
+  a program of 2 or more rows gets them back. Its matmuls have 2 to 16 * k rows, where Eigen's
+  GEMM was the slower (greedy decoding at batch 2 took 3.5x as long as at batch 1 on an AMD
+  EPYC of family 25; with YNNPACK's dots 1.13x-1.38x faster at batch 2-16 there, see
+  docs/cpu_speed.md). One row keeps the default (a matrix-vector product; YNNPACK's was 4.4x
+  slower at batch 1 on a family-26 EPYC). Every program of a batch (plain, chain and tree, the
+  cost model's probes) compiles alike: speculative decoding is exact because a window's rows
+  and a one-token step's are summed by the same kernels."""
   if batch < 2 or CPU_XLA_FLAGS[0] not in os.environ.get("XLA_FLAGS", "").split():
     return None
   import jax

@@ -6,11 +6,11 @@ the program the CLIs and the benchmarks run) profiled op by op.
 
 Per batch: the loop timed untraced (`--reps` calls after a warm-up: seconds per forward), then
 one call under `jax.profiler.trace`, whose thunk events are matched to the optimised HLO of the
-loop's body. Each op of the body gets a class (`dot`: a dot, or a library fusion around one;
-`batched dot`: one with batch dimensions, attention's; `reduce`, `scatter`, `copy`, and
-`elementwise` for the rest; "(library)" marks YNNPACK / oneDNN fusions), its shape and its
-microseconds per call; the record sums them by class. Traced ops run slower than untraced ones
-(`traced_over_untraced` says by how much), so read the shares, not the absolute times. Random
+loop's body (`experiments/hlo_profile.py`): each op of the body gets a class (attention dot,
+dot = the weights', reduce, scatter, copy, elementwise; library fusions marked), its shape and its
+microseconds per call; the record sums them by class, per cycle. Traced ops run slower than
+untraced ones (`traced_over_untraced` says by how much), so read the shares, not the absolute
+times, and only where `coverage` (the ops' sum over the traced run's time) is near 1. Random
 prompts of --prompt_len tokens; EOS is ignored (fixed work).
 """
 
@@ -21,86 +21,18 @@ if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU 
   runtime.apply_cpu_defaults()
 
 import argparse
-import collections
-import glob
-import gzip
 import json
 import os
-import re
 import sys
 import tempfile
 
 import jax
 import numpy as np
 
-from experiments import common
+from experiments import common, hlo_profile
 from mtp_jax import runtime
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.workdir import load_workdir
-
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\((.*)$")
-_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
-
-
-def computations(hlo_text: str) -> dict[str, list[str]]:
-  """name -> instruction lines of every computation in an HLO module's text."""
-  comps, cur = {}, None
-  for line in hlo_text.splitlines():
-    m = _COMP.match(line)
-    if m:
-      cur = comps.setdefault(m.group(1), [])
-    elif line.strip() == "}":
-      cur = None
-    elif cur is not None:
-      cur.append(line)
-  return comps
-
-
-def while_body_ops(hlo_text: str) -> dict[str, dict]:
-  """The ops of the (largest) while loop body: name -> {shape, opcode, class, library}."""
-  comps = computations(hlo_text)
-  bodies = re.findall(r"body=%?([\w.\-]+)", hlo_text)
-  if not bodies:
-    raise ValueError("no while loop in this program")
-  body = max(bodies, key=lambda b: len(comps.get(b, [])))
-  ops = {}
-  for line in comps[body]:
-    m = _INSTR.match(line)
-    if not m or m.group(3) in ("get-tuple-element", "bitcast", "constant", "tuple", "parameter"):
-      continue
-    name, shape, opcode, rest = m.groups()
-    called = re.search(r"calls=%?([\w.\-]+)", rest)
-    inner = "\n".join(comps.get(called.group(1), [])) if called else ""
-    kind = re.search(r"kind=(\w+)", rest)
-    library = bool(kind and kind.group(1) == "kCustom") or "ynn" in name or "onednn" in name
-    if opcode == "dot" or " dot(" in inner:  # batch dims: attention's per-(row, kv head) GEMMs
-      cls = "batched dot" if "lhs_batch_dims" in (rest if opcode == "dot" else inner) else "dot"
-    elif opcode in ("reduce", "reduce-window") or " reduce(" in inner or "reduce-window(" in inner:
-      cls = "reduce"
-    elif opcode == "scatter" or " scatter(" in inner:
-      cls = "scatter"
-    elif opcode == "copy":
-      cls = "copy"
-    else:
-      cls = "elementwise"
-    ops[name] = {"shape": shape, "opcode": opcode, "class": cls, "library": library}
-  return ops
-
-
-def thunk_times(trace_dir: str) -> tuple[dict, dict]:
-  """(total microseconds, event count) per event name in a jax.profiler trace."""
-  files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-  if not files:
-    raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {trace_dir}")
-  with gzip.open(files[0]) as f:
-    events = json.load(f)["traceEvents"]
-  total, count = collections.defaultdict(float), collections.Counter()
-  for e in events:
-    if e.get("ph") == "X" and "dur" in e:
-      total[e["name"]] += e["dur"]
-      count[e["name"]] += 1
-  return total, count
-
 
 def profile_batch(loaded, batch: int, heads: int, prompt_len: int, max_new: int, reps: int,
                   top: int = 25) -> dict:
@@ -114,33 +46,24 @@ def profile_batch(loaded, batch: int, heads: int, prompt_len: int, max_new: int,
   runs = [call() for _ in range(reps)]
   seconds = float(np.median([r.seconds for r in runs]))
   forwards = runs[0].forwards
-  ops = while_body_ops(dec._compiled.as_text())
+  ops = hlo_profile.while_body_ops(dec._compiled.as_text())
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
       traced = call()
-    total, count = thunk_times(d)
-  rows, by_class = [], collections.defaultdict(float)
-  for name, op in ops.items():
-    if name not in total:
-      continue
-    us = total[name] / max(count[name], 1)
-    rows.append({"op": name, **op, "calls": count[name], "us_per_call": round(us, 2)})
-    by_class[op["class"] + (" (library)" if op["library"] else "")] += us
-  body_us = sum(by_class.values())
-  rows.sort(key=lambda r: -r["us_per_call"])
+    total, count = hlo_profile.thunk_times(d)
+  prof = hlo_profile.by_class(ops, total, count, top)
   return {
       "batch": batch, "heads": heads, "prompt_len": prompt_len, "max_new_tokens": max_new,
       "reps": reps, "forwards": forwards, "seconds_median": seconds,
       "us_per_forward_untraced": round(seconds / forwards * 1e6, 1),
-      "us_per_cycle_traced_ops": round(body_us, 1),
+      "us_per_cycle_traced_ops": prof["us_timed_ops"],
       "traced_over_untraced": round(traced.seconds / seconds, 2),
-      "ops_in_body": len(ops), "ops_timed": len(rows),
-      "us_per_cycle_by_class": {k: round(v, 1) for k, v in
-                                sorted(by_class.items(), key=lambda kv: -kv[1])},
-      "share_by_class": {k: round(v / body_us, 3) for k, v in
-                         sorted(by_class.items(), key=lambda kv: -kv[1])} if body_us else {},
-      "top_ops": rows[:top],
-      "compile_options": runtime.decode_compiler_options(batch),
+      # the traced ops' sum over the traced run's time a forward: near 1 when every op's time
+      # is its own (no asynchronous dots, no ops side by side; hlo_profile's docstring)
+      "coverage": round(prof["us_timed_ops"] * forwards / (traced.seconds * 1e6), 2),
+      "ops_in_body": len(ops), "ops_timed": prof["ops_timed"],
+      "us_per_cycle_by_class": prof["us_by_class"], "share_by_class": prof["share_by_class"],
+      "top_ops": prof["top_ops"], "compile_options": runtime.decode_compiler_options(batch),
   }
 
 
@@ -171,7 +94,7 @@ def main(argv=None):
     rec.update(workdir=args.workdir, xla_flags=os.environ.get("XLA_FLAGS", ""))
     records.append(rec)
     print(json.dumps({k: rec[k] for k in ("batch", "us_per_forward_untraced",
-                                          "traced_over_untraced", "share_by_class")}),
+                                          "traced_over_untraced", "coverage", "share_by_class")}),
           flush=True)
   common.emit(records, args.json)
   return 0

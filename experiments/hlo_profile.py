@@ -100,19 +100,17 @@ def thunk_times(trace_dir: str) -> tuple[dict, dict]:
   return total, count
 
 
-
-
 def by_class(ops: dict[str, dict], total: dict, count: dict, top: int = 25) -> dict:
   """The timed ops of `ops` (thunk totals and counts from `thunk_times`): microseconds per
   call of each, summed per class ("(library)" appended for library fusions) as us per program
   run (`runs`: the fewest calls of any timed op, 1 for a program run once), shares, top ops."""
   rows, sums = [], collections.defaultdict(float)
-  timed = [n for n in ops if n in total]
-  runs = min((count[n] for n in timed), default=1) or 1
+  timed = [n for n in ops if n in total]  # each has at least one event
+  runs = min((count[n] for n in timed), default=1)
   for name in timed:
     op = ops[name]
     rows.append({"op": name, **op, "calls": count[name],
-                 "us_per_call": round(total[name] / max(count[name], 1), 2)})
+                 "us_per_call": round(total[name] / count[name], 2)})
     sums[op["class"] + (" (library)" if op["library"] else "")] += total[name] / runs
   all_us = sum(sums.values())
   rows.sort(key=lambda r: -r["us_per_call"] * r["calls"])

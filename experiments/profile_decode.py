@@ -34,6 +34,7 @@ from mtp_jax import runtime
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.workdir import load_workdir
 
+
 def profile_batch(loaded, batch: int, heads: int, prompt_len: int, max_new: int, reps: int,
                   top: int = 25) -> dict:
   dec = decode_lib.Decoder(loaded.params, loaded.model.args, k=heads, batch=batch,

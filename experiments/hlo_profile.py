@@ -1,6 +1,6 @@
 """Reading a jax.profiler trace of XLA:CPU against the program's optimised HLO: every thunk
 event is an HLO instruction of the program, so its time can be put beside the instruction's
-shape and op class (experiments/profile_decode.py).
+shape and op class (experiments/profile_decode.py, experiments/profile_train.py).
 
 A thunk's event lasts as long as the thunk runs on its thread. An Eigen dot that XLA runs
 asynchronously (large ones, on the intra-op pool) ends its event at dispatch, and its time
@@ -42,6 +42,14 @@ def computations(hlo_text: str) -> dict[str, list[str]]:
     elif cur is not None:
       cur.append(line)
   return comps
+
+
+def entry_name(hlo_text: str) -> str:
+  """The name of an HLO module's ENTRY computation (a train step's ops, none in a loop)."""
+  m = re.search(r"^ENTRY %?([\w.\-]+)", hlo_text, re.M)
+  if not m:
+    raise ValueError("no ENTRY computation in this HLO text")
+  return m.group(1)
 
 
 def while_body_ops(hlo_text: str) -> dict[str, dict]:

@@ -1,5 +1,6 @@
 """experiments/profile_decode.py: the decoding loop's body profiled op by op (a tiny random model,
-two batch sizes, a few tokens)."""
+two batch sizes, a few tokens); experiments/profile_train.py: the tiny config's train step, mtp_jax
+and PyTorch, op classes side by side."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 
 from conftest import tiny_config, tiny_model
-from experiments import hlo_profile, profile_decode
+from experiments import hlo_profile, profile_decode, profile_train
 from mtp_jax.convert.workdir import write_workdir
 
 
@@ -37,6 +38,21 @@ def test_profile_names_the_body_ops_and_their_classes(workdir, tmp_path, capsys)
     assert "dot" in classes, classes  # the weights' (the tiny attention's are reduce fusions)
     assert abs(sum(r["share_by_class"].values()) - 1) < 0.01 and r["coverage"] > 0
     assert r["compile_options"] is None  # pytest: the CPU defaults' flag is not in XLA_FLAGS
+
+
+def test_profile_train_classes_both_frameworks(tmp_path):
+  out = tmp_path / "t.json"
+  assert profile_train.main(["--config", "configs/tiny.py", "--n_future", "2", "--steps", "1",
+                             "--reps", "1", "--top", "4", "--json", str(out)]) == 0
+  records = json.loads(out.read_text())
+  assert [(r["framework"], r["n_future"]) for r in records] == [("jax", 2), ("torch", 2)]
+  for r in records:
+    assert abs(sum(r["share_by_class"].values()) - 1) < 0.01 and r["coverage"] > 0
+    assert r["step_ms_untraced"] > 0 and len(r["top_ops"]) == 4 and r["machine"]["cpu_count"]
+    assert "dot" in r["ms_by_class"], r["ms_by_class"]
+  torch_classes = set(records[1]["ms_by_class"])
+  assert {"attention", "optimizer", "elementwise"} <= torch_classes, torch_classes
+  assert records[0]["ops_timed"] <= records[0]["ops_in_step"]
 
 
 SCOPE = "jit(f)/while/body/MTPModel/trunk/layers_0/attention"
@@ -70,3 +86,4 @@ ENTRY %main (p: f32[2,8]) -> f32[2,8] {
       "copy.3": ("copy", False), "add_fusion": ("elementwise", False)}
   with pytest.raises(ValueError, match="no while loop"):
     hlo_profile.while_body_ops("HloModule m\n")
+  assert hlo_profile.entry_name(hlo) == "main"

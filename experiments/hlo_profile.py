@@ -10,8 +10,9 @@ the untraced run (`coverage` in profile_decode's records) before reading shares.
 
 Classes: `attention dot` (q k^T and p v: a dot of mtp_jax/attention.py's einsums, or a fusion
 around one, forward or backward), `dot` (every other dot: the weights'), `reduce`, `scatter`,
-`copy` (copies and transposes), `elementwise` (every other fusion); "(library)" marks YNNPACK /
-oneDNN fusions.
+`copy` (copies and transposes), `loop` (a while loop, conditional or call run as one op: its
+body's time, e.g. the loss's scan over heads in a train step), `elementwise` (every other
+fusion); "(library)" marks YNNPACK / oneDNN fusions.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import re
 # mtp_jax/attention.py's einsums (q k^T and p v, forward or transposed), named in op_name: an
 # einsum of the attention module over the key axis t; its projections' ("...f,fg->...g") have none.
 ATTENTION_EINSUM = re.compile(r'op_name="[^"]*/attention/[a-z,]*t[a-z,]*->[a-z]+/')
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\((.*)$")
+# a shape is one token or a tuple "(s32[], f32[4]{0}, /*index=2*/...)" (while loops, multi-output
+# fusions)
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*)$")
 _COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 
 
@@ -73,7 +76,9 @@ def classify(lines: list[str], comps: dict[str, list[str]]) -> dict[str, dict]:
     inner = "\n".join(comps.get(called.group(1), [])) if called else ""
     kind = re.search(r"kind=(\w+)", rest)
     library = bool(kind and kind.group(1) == "kCustom") or "ynn" in name or "onednn" in name
-    if opcode == "dot" or " dot(" in inner:
+    if opcode in ("while", "conditional", "call"):
+      cls = "loop"  # its body's ops inside its event (the loss's scan over heads)
+    elif opcode == "dot" or " dot(" in inner:
       text = rest if opcode == "dot" else inner
       # a dot XLA rewrote may have lost its op_name: batched, it is attention's (the weights'
       # batched dots, vmapped heads, keep theirs)

@@ -72,6 +72,7 @@ def test_while_body_ops_classes():
   %dot.5 = f32[4,2,9]{2,1,0} dot(%q1, %k1), lhs_batch_dims={0}, lhs_contracting_dims={2}
   %copy.3 = f32[2]{0} copy(%y)
   %add_fusion = f32[2,8]{1,0} fusion(%z), kind=kLoop, calls=%fused_add
+  %inner = (s32[], f32[4]{0}, /*index=2*/f32[2,8]{1,0}) while(%u), condition=%c2, body=%b2
 }
 
 ENTRY %main (p: f32[2,8]) -> f32[2,8] {
@@ -83,7 +84,8 @@ ENTRY %main (p: f32[2,8]) -> f32[2,8] {
   assert {n: (o["class"], o["library"]) for n, o in ops.items()} == {
       "ynn_fusion.1": ("dot", True), "dot.2": ("attention dot", False),
       "dot.4": ("dot", False), "dot.5": ("attention dot", False),
-      "copy.3": ("copy", False), "add_fusion": ("elementwise", False)}
+      "copy.3": ("copy", False), "add_fusion": ("elementwise", False),
+      "inner": ("loop", False)}
   with pytest.raises(ValueError, match="no while loop"):
     hlo_profile.while_body_ops("HloModule m\n")
   assert hlo_profile.entry_name(hlo) == "main"

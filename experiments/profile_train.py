@@ -13,13 +13,13 @@ threading (bench_train --peer measures that). The default config, AdamW, one ran
 
 mtp_jax: the step timed untraced (`--reps` steps after a warm-up), then `--steps` steps under
 `jax.profiler.trace`, each thunk matched to the step's optimised HLO (hlo_profile: attention
-dot, dot = the weights', reduce, scatter, copy, elementwise; "(library)": YNNPACK / oneDNN
-fusions). PyTorch: `torch.profiler` self CPU time per aten op, in classes: `dot` (mm, addmm,
-bmm, linear's), `attention` (scaled_dot_product_attention's kernels, forward and backward: its
-softmax included, which mtp_jax's classes count as elementwise), `optimizer` (every op inside
-AdamW's step, zero_grad and clip_grad_norm_; mtp_jax's optax update is in its elementwise and
-reduce classes), `elementwise` (every other op). Milliseconds per step;
-quote the shares and the same-run ratios, and name the machine (`machine` in the records).
+dot, dot = the weights', reduce, scatter, copy, loop = the loss's scan over heads, elementwise;
+"(library)": YNNPACK / oneDNN fusions). PyTorch: `torch.profiler` self CPU time per aten op, in
+classes: `dot` (mm, addmm, bmm, linear's), `attention` (scaled_dot_product_attention's kernels,
+forward and backward: its softmax included, which mtp_jax's classes count as elementwise),
+`optimizer` (every op inside AdamW's step, zero_grad and clip_grad_norm_; mtp_jax's optax update
+is in its elementwise and reduce classes), `elementwise` (every other op). Milliseconds per
+step; quote the shares and the same-run ratios, and name the machine (`machine` in the records).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import numpy as np
 
 from experiments import common, hlo_profile
 from experiments.bench_train import setup
+
 TORCH_CLASSES = (  # (class, aten op name pieces), first match wins
     ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
     ("dot", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")),
@@ -97,42 +98,36 @@ def torch_class(event) -> str:
 
 def profile_torch(config_path: str, n: int, steps: int, reps: int, top: int) -> dict:
   import torch
+  from torch.profiler import ProfilerActivity, profile
 
   from experiments import torch_peer
   from experiments.bench_train import _peer_config
-  args = argparse.Namespace(config=config_path)
-  step = torch_peer.make_peer(_peer_config(args, [], n))[0]
-  threads = torch.get_num_threads()
-  torch.set_num_threads(1)
-  try:
-    return dict(_profile_torch(step, steps, reps, top), n_future=n)
-  finally:
-    torch.set_num_threads(threads)
-
-
-def _profile_torch(step, steps: int, reps: int, top: int) -> dict:
-  import torch
-  from torch.profiler import ProfilerActivity, profile
+  step = torch_peer.make_peer(_peer_config(argparse.Namespace(config=config_path), [], n))[0]
 
   def run(k):
     t = time.perf_counter()
     for _ in range(k):
       step()
     return (time.perf_counter() - t) / k
-  run(2)
-  seconds = float(np.median([run(1) for _ in range(reps)]))
-  with profile(activities=[ProfilerActivity.CPU]) as prof:
-    traced = run(steps)
-  by_op, sums = collections.defaultdict(float), collections.defaultdict(float)
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)
+  try:
+    run(2)
+    seconds = float(np.median([run(1) for _ in range(reps)]))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+      traced = run(steps)
+  finally:
+    torch.set_num_threads(threads)
+  by_op, sums, op_class = collections.defaultdict(float), collections.defaultdict(float), {}
   for e in prof.events():  # us per step of each op's own time, classed with its ancestors
     us = e.self_cpu_time_total / steps
+    op_class[e.name] = cls = torch_class(e)  # the last event's class, per name
     by_op[e.name] += us
-    sums[torch_class(e)] += us
+    sums[cls] += us
   all_us = sum(sums.values())
   order = sorted(sums.items(), key=lambda kv: -kv[1])
   rows = sorted(by_op.items(), key=lambda kv: -kv[1])[:top]
-  op_class = {e.name: torch_class(e) for e in prof.events()}  # the last event's, per name
-  return {"framework": "torch", "kind": "projection",
+  return {"framework": "torch", "kind": "projection", "n_future": n,
           "step_ms_untraced": seconds * 1e3, "traced_over_untraced": round(traced / seconds, 2),
           "coverage": round(all_us / (traced * 1e6), 2),
           "ms_by_class": {k: round(v / 1e3, 1) for k, v in order},

@@ -228,7 +228,7 @@ def main():
   for v in args.variants.split():
     if not (v == "auto" or (v.startswith("chain:") and (v[6:] == "all" or v[6:].isdigit()))):
       ap.error(f"--variants: {v!r} is not chain:K, chain:all or auto")
-  batches = [int(b) for b in args.batches.split(",")]
+  batches = common.positive_ints(ap, "--batches", args.batches)
   records = []
   for b in batches:  # fresh workers per batch: each compiles for its batch
     workers = {s: Worker(args, s) for s in sides}

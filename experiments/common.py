@@ -30,6 +30,26 @@ def is_checkout(tree: str, module: str) -> bool:
   return os.path.isfile(os.path.join(tree, "experiments", f"{module}.py"))
 
 
+def positive_ints(parser, flag: str, text: str) -> list[int]:
+  """A comma-separated list of positive integers (`--batches 1,2,8`), or the parser's one-line
+  error naming `flag`."""
+  try:
+    values = [int(v) for v in text.split(",")]
+  except ValueError:
+    values = []
+  if not values or min(values) < 1:
+    parser.error(f"{flag}: comma-separated positive integers, got {text!r}")
+  return values
+
+
+def loaded_workdir(parser, workdir: str):
+  """`workdir.load_workdir(workdir)`, or the parser's error where the folder does not exist."""
+  if not os.path.isdir(workdir):
+    parser.error(f"--workdir: no such directory: {workdir}")
+  from mtp_jax.workdir import load_workdir
+  return load_workdir(workdir)
+
+
 def rotated(order: list, i: int) -> list:
   """`order` starting at its (i mod n)-th item: round i of an interleaved benchmark, so that no
   run always follows the same other one."""

@@ -32,7 +32,6 @@ import numpy as np
 from experiments import common, hlo_profile
 from mtp_jax import runtime
 from mtp_jax.decoding import decode as decode_lib
-from mtp_jax.workdir import load_workdir
 
 
 def profile_batch(loaded, batch: int, heads: int, prompt_len: int, max_new: int, reps: int,
@@ -79,15 +78,10 @@ def main(argv=None):
   p.add_argument("--top", type=int, default=25, help="ops listed per batch")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
-  try:
-    batches = [int(b) for b in args.batches.split(",")]
-  except ValueError:
-    p.error(f"--batches: comma-separated positive integers, got {args.batches!r}")
-  if min(batches) < 1 or args.reps < 1 or args.max_new < 2 or args.prompt_len < 1:
-    p.error("--batches, --reps and --prompt_len must be >= 1 and --max_new >= 2")
-  if not os.path.isdir(args.workdir):
-    p.error(f"--workdir: no such directory: {args.workdir}")
-  loaded = load_workdir(args.workdir)
+  batches = common.positive_ints(p, "--batches", args.batches)
+  if args.reps < 1 or args.max_new < 2 or args.prompt_len < 1:
+    p.error("--reps and --prompt_len must be >= 1 and --max_new >= 2")
+  loaded = common.loaded_workdir(p, args.workdir)
   records = []
   for b in batches:
     rec = profile_batch(loaded, b, args.heads, args.prompt_len, args.max_new, args.reps,

@@ -17,8 +17,8 @@ only where the user has not already decided:
   GLIBC_TUNABLES already names the tunable, inside a notebook kernel or pytest, and when JAX
   is already imported (the re-exec would repeat that import's seconds; set it in the launcher).
 
-Decoding programs of 2+ rows then get YNNPACK's dots back per program
-(`decode_compiler_options`, where that flag is in XLA_FLAGS).
+Decoding programs of 2+ rows (of 1 row too on the CPUs of YNN_ONE_ROW_CPUS) then get
+YNNPACK's dots back per program (`decode_compiler_options`, where that flag is in XLA_FLAGS).
 
 MTP_JAX_CPU_DEFAULTS=0 turns all of this off; MTP_JAX_CPU_DEFAULTS=flags keeps the XLA flags
 and skips the re-exec.
@@ -26,6 +26,7 @@ and skips the re-exec.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -97,22 +98,50 @@ def apply_cpu_defaults(reexec: bool = True) -> dict:
 DECODE_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
 
 
+# CPUs where YNNPACK's dots also win at one row, as (vendor_id, cpu family) of /proc/cpuinfo:
+# AMD family 25 (Zen 3 and Zen 4; greedy decoding at batch 1 1.20x on a model-1 EPYC, AVX2 only,
+# 1.12x on a model-17 one, AVX-512). A family-26 EPYC measured them 4.4x slower at batch 1, and
+# no Intel CPU was measured: those keep XLA's own matrix-vector loop (docs/cpu_speed.md).
+YNN_ONE_ROW_CPUS = (("AuthenticAMD", 25),)
+
+
 def decode_compiler_options(batch: int) -> dict | None:
   """`compile()` options of a decoding program of `batch` rows (`decoding.decode.Decoder`):
   where the CPU defaults took YNNPACK's dots away (CPU_XLA_FLAGS in XLA_FLAGS, a CPU backend),
   a program of 2 or more rows gets them back. Its matmuls have 2 to 16 * k rows, where Eigen's
   GEMM was the slower (greedy decoding at batch 2 took 3.5x as long as at batch 1 on an AMD
   EPYC of family 25; with YNNPACK's dots 1.13x-1.38x faster at batch 2-16 there, see
-  docs/cpu_speed.md). One row keeps the default (a matrix-vector product; YNNPACK's was 4.4x
-  slower at batch 1 on a family-26 EPYC). Every program of a batch (plain, chain and tree, the
-  cost model's probes) compiles alike: speculative decoding is exact because a window's rows
-  and a one-token step's are summed by the same kernels."""
-  if batch < 2 or CPU_XLA_FLAGS[0] not in os.environ.get("XLA_FLAGS", "").split():
+  docs/cpu_speed.md). One row (a matrix-vector product) gets them on the CPUs of
+  YNN_ONE_ROW_CPUS only. Every program of a batch (plain, chain and tree, the cost model's
+  probes) compiles alike: speculative decoding is exact because a window's rows and a one-token
+  step's are summed by the same kernels."""
+  if batch < (1 if cpu_ids()[:2] in YNN_ONE_ROW_CPUS else 2):
+    return None
+  if CPU_XLA_FLAGS[0] not in os.environ.get("XLA_FLAGS", "").split():
     return None
   import jax
   if jax.default_backend() != "cpu":
     return None
   return {"xla_cpu_experimental_ynn_fusion_type": DECODE_YNN_FUSIONS}
+
+
+@functools.cache
+def cpu_ids() -> tuple:
+  """(vendor_id, cpu family, model) of the first CPU in /proc/cpuinfo, None where absent: a VM's
+  "AMD EPYC" names no generation, these do."""
+  ids = {}
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key in ("vendor_id", "cpu family", "model") and key not in ids:
+          ids[key] = int(value) if value.isdigit() else (value if key == "vendor_id" else None)
+        if len(ids) == 3:
+          break
+  except OSError:
+    pass
+  return ids.get("vendor_id"), ids.get("cpu family"), ids.get("model")
 
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -124,7 +153,6 @@ def machine_info(accelerator: bool = True) -> dict:
   on (platform, device kind, count; starts JAX's backend unless accelerator=False)."""
   import platform
   model, flags_ = platform.processor() or platform.machine(), set()
-  ids = {}  # x86 "cpu family" and "model": a VM's "AMD EPYC" names no generation, these do
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       for line in f:
@@ -134,14 +162,13 @@ def machine_info(accelerator: bool = True) -> dict:
           model = value.strip()
         elif key in ("flags", "Features") and not flags_:
           flags_ = set(value.split())
-        elif key in ("cpu family", "model") and key not in ids and value.strip().isdigit():
-          ids[key] = int(value)
   except OSError:
     pass
   info = {"cpu_model": model, "isa": {f: f in flags_ for f in ISA_FLAGS},
           "cpu_count": os.cpu_count(), "arch": platform.machine()}
-  if ids:
-    info["cpu_family"], info["cpu_model_id"] = ids.get("cpu family"), ids.get("model")
+  vendor, family, model_id = cpu_ids()
+  if family is not None or model_id is not None:
+    info["cpu_vendor"], info["cpu_family"], info["cpu_model_id"] = vendor, family, model_id
   if accelerator:
     import jax
     devices = jax.devices()

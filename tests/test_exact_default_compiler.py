@@ -10,7 +10,8 @@ all six: every kind and every dtype appear, parallel in both dtypes (unoptimised
 ~7x slower, and f32 / bf16 projection and sequential cases add no code path the four lack).
 Then once more with the CPU defaults' XLA_FLAGS (runtime.CPU_XLA_FLAGS, what the CLIs run
 with): there a decoding program of 2+ rows compiles with YNNPACK's dots back
-(runtime.decode_compiler_options) and one of 1 row without, so both are checked in bf16."""
+(runtime.decode_compiler_options) and one of 1 row without them (with them too on the CPUs of
+runtime.YNN_ONE_ROW_CPUS), so both are checked in bf16 on most machines."""
 
 from __future__ import annotations
 
@@ -86,8 +87,10 @@ def test_speculative_equals_greedy_with_default_compiler_flags():
 
 def test_speculative_equals_greedy_with_cpu_defaults():
   """The CLIs' flags: batch 4 with YNNPACK's dots (options given; a chain and a tree), batch 1
-  without."""
+  without (with, on the CPUs of runtime.YNN_ONE_ROW_CPUS)."""
+  from mtp_jax import runtime
   ynn = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
                                                   "LIBRARY_FUSION_TYPE_REDUCE"}
-  assert [c["options"] for c in _check(CPU_DEFAULTS_CASES, cpu_defaults=True)] == [ynn, None,
+  one_row = ynn if runtime.cpu_ids()[:2] in runtime.YNN_ONE_ROW_CPUS else None
+  assert [c["options"] for c in _check(CPU_DEFAULTS_CASES, cpu_defaults=True)] == [ynn, one_row,
                                                                                   ynn]

@@ -1,6 +1,7 @@
 """experiments/profile_decode.py: the decoding loop's body profiled op by op (a tiny random model,
 two batch sizes, a few tokens); experiments/profile_train.py: the tiny config's train step, mtp_jax
-and PyTorch, op classes side by side."""
+and PyTorch, op classes side by side; experiments/bench_decode_options.py: the decoding program
+under each compile-option set, one process."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import pytest
 
 from conftest import tiny_config, tiny_model
-from experiments import hlo_profile, profile_decode, profile_train
+from experiments import bench_decode_options, hlo_profile, profile_decode, profile_train
 from mtp_jax.convert.workdir import write_workdir
 
 
@@ -38,6 +39,22 @@ def test_profile_names_the_body_ops_and_their_classes(workdir, tmp_path, capsys)
     assert "dot" in classes, classes  # the weights' (the tiny attention's are reduce fusions)
     assert abs(sum(r["share_by_class"].values()) - 1) < 0.01 and r["coverage"] > 0
     assert r["compile_options"] is None  # pytest: the CPU defaults' flag is not in XLA_FLAGS
+
+
+def test_bench_decode_options_same_tokens_and_names_the_rule(workdir, tmp_path):
+  out = tmp_path / "o.json"
+  assert bench_decode_options.main(["--workdir", workdir, "--batches", "1,2", "--rounds", "3",
+                                    "--max_new", "4", "--prompt_len", "4", "--options",
+                                    "eigen,ynn,xla", "--json", str(out)]) == 0
+  records = json.loads(out.read_text())
+  assert [r["batch"] for r in records] == [1, 2]
+  for r in records:
+    assert r["tokens_equal"] and r["baseline"] == "eigen" and r["machine"]["cpu_count"]
+    assert r["rule"] == "eigen"  # pytest: the CPU defaults' flag is not in XLA_FLAGS
+    assert set(r["speed_over_baseline"]) == {"ynn", "xla"}
+    assert all(len(s) == 3 for s in r["seconds"].values())
+  with pytest.raises(SystemExit):
+    bench_decode_options.main(["--workdir", workdir, "--options", "eigen,fast"])
 
 
 def test_profile_train_classes_both_frameworks(tmp_path):

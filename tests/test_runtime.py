@@ -90,7 +90,13 @@ def test_decode_compiler_options(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=1 {YNN}")
   options = runtime.decode_compiler_options(2)
   assert options == {"xla_cpu_experimental_ynn_fusion_type": runtime.DECODE_YNN_FUSIONS}
-  assert runtime.decode_compiler_options(1) is None
+  # one row: only on the CPUs measured faster with them (AMD family 25), chosen by cpuinfo
+  for ids, one_row in ((("AuthenticAMD", 25, 1), options), (("AuthenticAMD", 25, 17), options),
+                       (("AuthenticAMD", 26, 2), None), (("GenuineIntel", 6, 143), None),
+                       ((None, None, None), None)):
+    monkeypatch.setattr(runtime, "cpu_ids", lambda ids=ids: ids)
+    assert runtime.decode_compiler_options(1) == one_row, ids
+    assert runtime.decode_compiler_options(2) == options, ids
   for flags in ("", "--xla_cpu_experimental_ynn_fusion_type=individual_dot"):
     monkeypatch.setenv("XLA_FLAGS", flags)
     assert runtime.decode_compiler_options(8) is None
@@ -112,6 +118,9 @@ def test_machine_info_and_every_bench_record_names_its_machine():
     with open("/proc/cpuinfo") as f:
       family = next((l.split(":", 1)[1].strip() for l in f if l.startswith("cpu family")), None)
     assert info.get("cpu_family") == (int(family) if family else None)
+    with open("/proc/cpuinfo") as f:
+      vendor = next((l.split(":", 1)[1].strip() for l in f if l.startswith("vendor_id")), None)
+    assert runtime.cpu_ids()[:2] == (vendor, int(family) if family else None)
   records = runtime.stamp([{"a": 1}, {"b": 2, "machine": "kept"}])
   assert records[0]["machine"] == info and records[1]["machine"] == "kept"
   # every experiment that writes a results file stamps it (a bench record names its machine)

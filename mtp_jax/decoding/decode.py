@@ -96,11 +96,14 @@ class Decoder:
   sampling program (temperature, top_k, top_p and seed are then arguments of each call, and
   temperature 0 in it is greedy); False, the greedy one. `tree` (a `tree.Tree`, greedy,
   parallel and projection heads, k = its levels + 1): tree drafts (`mtp_jax.decoding.tree`).
-  Prompts are validated here, at the entry point."""
+  Prompts are validated here, at the entry point. `compiler_options`: XLA's compile options,
+  by default `runtime.decode_compiler_options(batch)`; an override is for benchmarks of those
+  options (experiments/bench_decode_options.py): speculative decoding stays exact only where
+  every program of a batch compiles with the same ones."""
 
   def __init__(self, params, args: ModelArgs, *, k: int, batch: int, prompt_len: int,
                max_new_tokens: int, sampling: bool = False, tree: tree_lib.Tree | None = None,
-               stops=None):
+               stops=None, compiler_options: dict | None | str = "auto"):
     check_heads(args, k)
     if max_new_tokens < 1:
       raise ValueError(f"--max_new_tokens: must be >= 1, got {max_new_tokens}")
@@ -120,7 +123,8 @@ class Decoder:
     t0 = time.perf_counter()
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
-    options = runtime.decode_compiler_options(batch)
+    options = (runtime.decode_compiler_options(batch) if compiler_options == "auto"
+               else compiler_options)
     if tree is None:
       self._compiled = decode_chain.lower(
           self.params, i32(batch, prompt_len), i32(batch), i32(), i32(),

@@ -10,7 +10,7 @@ DEMO_PROMPTS := $(wildcard experiments/prompts/*.txt)
 TPU_VENV := .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed
 
-.PHONY: install lint test test-tpu demo clean
+.PHONY: install lint test test-tpu demo cpu-bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -68,6 +68,23 @@ demo: install
 	  --reps 3 --json $(DEMO_DIR)/decode.json > $(DEMO_DIR)/decode.log
 	$(BIN)/python -m experiments.demo_report --workdir $(DEMO_DIR) \
 	  --decode_json $(DEMO_DIR)/decode.json
+
+# Every CPU-speed figure of README "CPU speed by machine" for this machine, named by TAG (e.g.
+# make cpu-bench TAG=xeon_amx): the train step against PyTorch, greedy decoding against HF
+# generate, the decoding program's compile options, the one-core train-step profile. Trains the
+# demo model first where $(DEMO_DIR) has none (~10-15 minutes on 2 cores; ~30 in all).
+TAG ?= this_cpu
+RESULTS := experiments/results
+cpu-bench: install
+	$(BIN)/python -m mtp_jax.train --config configs/default.py --workdir $(DEMO_DIR) \
+	  --config.train.steps=$(DEMO_STEPS) --config.train.eval_every=50 \
+	  --config.train.checkpoint_every=50 --config.train.log_every=5
+	$(BIN)/python -m experiments.bench_train --peer --steps 8 --json $(RESULTS)/bench_train_peer_$(TAG).json
+	$(BIN)/python -m experiments.bench_decode_hf --workdir $(DEMO_DIR) --reps 15 --batches 1,2,8 \
+	  --json $(RESULTS)/bench_decode_hf_$(TAG).json
+	$(BIN)/python -m experiments.bench_decode_options --workdir $(DEMO_DIR) --batches 1,2,4,8 \
+	  --rounds 16 --json $(RESULTS)/bench_decode_options_$(TAG).json
+	$(BIN)/python -m experiments.profile_train --json $(RESULTS)/profile_train_$(TAG).json
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) *.egg-info

@@ -57,10 +57,13 @@ test-tpu: $(TPU_STAMP)
 # held-out windows (greedy and sampled, batch 1) and print the report: held-out loss and
 # teacher-forced acceptance per head, a, S measured and the cost model's verdict for this
 # machine. Rerunning resumes; DEMO_STEPS=N trains longer.
+# The demo model: resumes where it stopped, trains nothing once at DEMO_STEPS.
+DEMO_TRAIN = $(BIN)/python -m mtp_jax.train --config configs/default.py --workdir $(DEMO_DIR) \
+  --config.train.steps=$(DEMO_STEPS) --config.train.eval_every=50 \
+  --config.train.checkpoint_every=50 --config.train.log_every=5
+
 demo: install
-	$(BIN)/python -m mtp_jax.train --config configs/default.py --workdir $(DEMO_DIR) \
-	  --config.train.steps=$(DEMO_STEPS) --config.train.eval_every=50 \
-	  --config.train.checkpoint_every=50 --config.train.log_every=5
+	$(DEMO_TRAIN)
 	$(BIN)/python -m mtp_jax.generate --workdir $(DEMO_DIR) --mode both --max_new_tokens 96 \
 	  --heads auto --reps 3 --temperature 0.8 --seed 0 $(addprefix --prompt_file ,$(DEMO_PROMPTS))
 	$(BIN)/python -m experiments.bench_decode --workdir $(DEMO_DIR) --batches 1 --prompt_lens 64 \
@@ -76,9 +79,7 @@ demo: install
 TAG ?= this_cpu
 RESULTS := experiments/results
 cpu-bench: install
-	$(BIN)/python -m mtp_jax.train --config configs/default.py --workdir $(DEMO_DIR) \
-	  --config.train.steps=$(DEMO_STEPS) --config.train.eval_every=50 \
-	  --config.train.checkpoint_every=50 --config.train.log_every=5
+	$(DEMO_TRAIN)
 	$(BIN)/python -m experiments.bench_train --peer --steps 8 --json $(RESULTS)/bench_train_peer_$(TAG).json
 	$(BIN)/python -m experiments.bench_decode_hf --workdir $(DEMO_DIR) --reps 15 --batches 1,2,8 \
 	  --json $(RESULTS)/bench_decode_hf_$(TAG).json

@@ -24,14 +24,14 @@ import time
 import numpy as np
 
 from experiments import common
+from mtp_jax import runtime
 
 # name -> environment changes; "none" is what a user got before mtp_jax.runtime.
 ENVS = {
     "none": {},
-    "ynn_off": {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=-individual_dot"},
-    "hugetlb": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
-    "ynn_off+hugetlb": {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=-individual_dot",
-                        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+    "ynn_off": {"XLA_FLAGS": runtime.CPU_XLA_FLAGS[0]},
+    "hugetlb": {"GLIBC_TUNABLES": runtime.HUGETLB},
+    "ynn_off+hugetlb": {"XLA_FLAGS": runtime.CPU_XLA_FLAGS[0], "GLIBC_TUNABLES": runtime.HUGETLB},
 }
 
 

@@ -35,7 +35,7 @@ SHAPES = [  # (name, [M, K] x [K, N], lhs transposed: a weight gradient x^T dy)
     ("qkv_fused x[4096,256] @ W[256,512]", (4096, 256, 512), False),
     ("logits h[4096,256] @ U[256,384]", (4096, 256, 384), False),
 ]
-YNN_DOTS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+YNN_DOTS = {runtime.YNN_FUSION_OPTION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
 def main():

@@ -32,9 +32,8 @@ from experiments import common
 from mtp_jax import runtime
 from mtp_jax.decoding import decode as decode_lib
 
-YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
-OPTION_SETS = {"eigen": None, "ynn": {YNN_OPTION: runtime.DECODE_YNN_FUSIONS},
-               "xla": {YNN_OPTION: ""}}
+OPTION_SETS = {"eigen": None, "ynn": {runtime.YNN_FUSION_OPTION: runtime.DECODE_YNN_FUSIONS},
+               "xla": {runtime.YNN_FUSION_OPTION: ""}}
 
 
 def bench_batch(loaded, batch: int, heads: int, names: list[str], prompt_len: int,

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mtp_jax import runtime
 from mtp_jax import workdir as workdir_lib
 
 KINDS = ("train", "eval")
@@ -45,16 +46,8 @@ def _fmt_heads(values) -> str:
 
 def machine() -> dict[str, Any]:
   """The host a run's timings come from: CPU model name and the cores this process may use."""
-  cpu = ""
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next((line.split(":", 1)[1].strip() for line in f
-                  if line.startswith("model name")), "")
-  except OSError:
-    pass
-  if not cpu:
-    import platform
-    cpu = platform.processor() or platform.machine()
+  import platform
+  cpu = runtime.cpuinfo().get("model name") or platform.processor() or platform.machine()
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   return {"cpu": cpu, "cpu_cores": cores}
 

@@ -33,7 +33,9 @@ import sys
 
 OPT_OUT = "MTP_JAX_CPU_DEFAULTS"
 REEXEC_MARK = "MTP_JAX_REEXECED"
-CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=-individual_dot",)
+# XLA:CPU's option naming what YNNPACK runs (a flag, and a per-program compile option).
+YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+CPU_XLA_FLAGS = (f"--{YNN_FUSION_OPTION}=-individual_dot",)
 HUGETLB = "glibc.malloc.hugetlb=1"
 _ACCELERATOR_MODULES = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                         "jax_rocm7_plugin", "libtpu")
@@ -122,26 +124,36 @@ def decode_compiler_options(batch: int) -> dict | None:
   import jax
   if jax.default_backend() != "cpu":
     return None
-  return {"xla_cpu_experimental_ynn_fusion_type": DECODE_YNN_FUSIONS}
+  return {YNN_FUSION_OPTION: DECODE_YNN_FUSIONS}
 
 
 @functools.cache
-def cpu_ids() -> tuple:
-  """(vendor_id, cpu family, model) of the first CPU in /proc/cpuinfo, None where absent: a VM's
-  "AMD EPYC" names no generation, these do."""
-  ids = {}
+def cpuinfo() -> dict:
+  """The first CPU's fields of /proc/cpuinfo (key -> text: "vendor_id", "cpu family", "model",
+  "model name", "flags" or "Features", ...), read once; {} where there is none."""
+  fields = {}
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       for line in f:
-        key, _, value = line.partition(":")
-        key, value = key.strip(), value.strip()
-        if key in ("vendor_id", "cpu family", "model") and key not in ids:
-          ids[key] = int(value) if value.isdigit() else (value if key == "vendor_id" else None)
-        if len(ids) == 3:
-          break
+        key, sep, value = line.partition(":")
+        if not sep:
+          if fields:  # the blank line after the first CPU
+            break
+          continue
+        fields.setdefault(key.strip(), value.strip())
   except OSError:
     pass
-  return ids.get("vendor_id"), ids.get("cpu family"), ids.get("model")
+  return fields
+
+
+def cpu_ids() -> tuple:
+  """(vendor_id, cpu family, model) of the first CPU in /proc/cpuinfo, None where absent: a VM's
+  "AMD EPYC" names no generation, these do."""
+  info = cpuinfo()
+  def number(key):
+    value = info.get(key, "")
+    return int(value) if value.isdigit() else None
+  return info.get("vendor_id") or None, number("cpu family"), number("model")
 
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -152,18 +164,9 @@ def machine_info(accelerator: bool = True) -> dict:
   that change XLA:CPU's kernels (AVX2, AVX-512, AMX), core count, and the accelerator JAX runs
   on (platform, device kind, count; starts JAX's backend unless accelerator=False)."""
   import platform
-  model, flags_ = platform.processor() or platform.machine(), set()
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and model in ("", platform.machine(), platform.processor()):
-          model = value.strip()
-        elif key in ("flags", "Features") and not flags_:
-          flags_ = set(value.split())
-  except OSError:
-    pass
+  info_ = cpuinfo()
+  model = info_.get("model name") or platform.processor() or platform.machine()
+  flags_ = set((info_.get("flags") or info_.get("Features") or "").split())
   info = {"cpu_model": model, "isa": {f: f in flags_ for f in ISA_FLAGS},
           "cpu_count": os.cpu_count(), "arch": platform.machine()}
   vendor, family, model_id = cpu_ids()

@@ -26,12 +26,19 @@ import numpy as np
 from experiments import common
 from mtp_jax import runtime
 
+_HEAP = (runtime.HUGETLB
+         + ":glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184")
 # name -> environment changes; "none" is what a user got before mtp_jax.runtime.
 ENVS = {
     "none": {},
     "ynn_off": {"XLA_FLAGS": runtime.CPU_XLA_FLAGS[0]},
     "hugetlb": {"GLIBC_TUNABLES": runtime.HUGETLB},
     "ynn_off+hugetlb": {"XLA_FLAGS": runtime.CPU_XLA_FLAGS[0], "GLIBC_TUNABLES": runtime.HUGETLB},
+    # heap: no mmap, the heap never trimmed, so freed memory could stay in the process; with
+    # one_arena (one malloc arena) too, a step stops faulting its ~800 MB of temporaries in
+    "ynn_off+hugetlb+heap": {"XLA_FLAGS": runtime.CPU_XLA_FLAGS[0], "GLIBC_TUNABLES": _HEAP},
+    "ynn_off+hugetlb+one_arena": {"XLA_FLAGS": runtime.CPU_XLA_FLAGS[0],
+                                  "GLIBC_TUNABLES": _HEAP + ":glibc.malloc.arena_max=1"},
 }
 
 

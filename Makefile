@@ -86,6 +86,7 @@ cpu-bench: install
 	$(BIN)/python -m experiments.bench_decode_options --workdir $(DEMO_DIR) --batches 1,2,4,8 \
 	  --rounds 16 --json $(RESULTS)/bench_decode_options_$(TAG).json
 	$(BIN)/python -m experiments.profile_train --json $(RESULTS)/profile_train_$(TAG).json
+	$(BIN)/python -m experiments.cpu_bench_report --tag $(TAG) > /dev/null
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) *.egg-info

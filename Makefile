@@ -74,8 +74,9 @@ demo: install
 
 # Every CPU-speed figure of README "CPU speed by machine" for this machine, named by TAG (e.g.
 # make cpu-bench TAG=xeon_amx): the train step against PyTorch, greedy decoding against HF
-# generate, the decoding program's compile options, the one-core train-step profile. Trains the
-# demo model first where $(DEMO_DIR) has none (~10-15 minutes on 2 cores; ~30 in all).
+# generate, the decoding program's compile options, the one-core train-step profile, then prints
+# what they say (experiments/cpu_bench_report.py). Trains the demo model first where
+# $(DEMO_DIR) has none (~10-15 minutes on 2 cores; 20-30 in all).
 TAG ?= this_cpu
 RESULTS := experiments/results
 cpu-bench: install

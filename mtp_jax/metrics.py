@@ -46,8 +46,7 @@ def _fmt_heads(values) -> str:
 
 def machine() -> dict[str, Any]:
   """The host a run's timings come from: CPU model name and the cores this process may use."""
-  import platform
-  cpu = runtime.cpuinfo().get("model name") or platform.processor() or platform.machine()
+  cpu = runtime.cpu_model_name()
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   return {"cpu": cpu, "cpu_cores": cores}
 

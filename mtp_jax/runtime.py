@@ -156,6 +156,12 @@ def cpu_ids() -> tuple:
   return info.get("vendor_id") or None, number("cpu family"), number("model")
 
 
+def cpu_model_name() -> str:
+  """The first CPU's "model name" in /proc/cpuinfo, else what `platform` says."""
+  import platform
+  return cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
@@ -165,9 +171,8 @@ def machine_info(accelerator: bool = True) -> dict:
   on (platform, device kind, count; starts JAX's backend unless accelerator=False)."""
   import platform
   info_ = cpuinfo()
-  model = info_.get("model name") or platform.processor() or platform.machine()
   flags_ = set((info_.get("flags") or info_.get("Features") or "").split())
-  info = {"cpu_model": model, "isa": {f: f in flags_ for f in ISA_FLAGS},
+  info = {"cpu_model": cpu_model_name(), "isa": {f: f in flags_ for f in ISA_FLAGS},
           "cpu_count": os.cpu_count(), "arch": platform.machine()}
   vendor, family, model_id = cpu_ids()
   if family is not None or model_id is not None:
@@ -182,9 +187,12 @@ def machine_info(accelerator: bool = True) -> dict:
 
 def stamp(record):
   """`record` (a dict, or a list of dicts: one bench record each) with "machine":
-  machine_info() added to every dict that lacks it; returned for json.dump."""
-  info = machine_info()
-  for r in [record] if isinstance(record, dict) else record:
-    if isinstance(r, dict):
-      r.setdefault("machine", info)
+  machine_info() added to every dict that lacks it (read only then: it starts JAX's backend);
+  returned for json.dump."""
+  lacking = [r for r in ([record] if isinstance(record, dict) else record)
+             if isinstance(r, dict) and "machine" not in r]
+  if lacking:
+    info = machine_info()
+    for r in lacking:
+      r["machine"] = info
   return record

@@ -79,18 +79,20 @@ def figures(records: dict) -> dict:
 
 def option_verdicts(records: dict) -> list[dict]:
   """Per decoding-options record: the rule's option set, the fastest set, and whether the
-  fastest beat the rule's beyond the quartiles of its speed over the baseline."""
+  fastest beat the rule's beyond the quartiles of its speed over the baseline (None where the
+  run did not measure the rule's set: `--options` without it)."""
   out = []
   for r in records.get("bench_decode_options", []):
     speed = {r["baseline"]: {"median": 1.0, "quartiles": [1.0, 1.0]},
              **r["speed_over_baseline"]}
     best = max(speed, key=lambda k: speed[k]["median"])
-    rule = r["rule"] if r["rule"] in speed else r["baseline"]
+    rule = speed.get(r["rule"])
     # Beyond the noise: the best set's lower quartile above the rule's upper one.
-    revisit = best != rule and speed[best]["quartiles"][0] > speed[rule]["quartiles"][1]
+    revisit = None if rule is None else speed[best]["quartiles"][0] > rule["quartiles"][1]
     out.append({"batch": r["batch"], "heads": r["heads"], "rule": r["rule"], "fastest": best,
-                "fastest_over_rule": round(speed[best]["median"] / speed[rule]["median"], 3),
-                "revisit_rule": bool(revisit), "tokens_equal": r["tokens_equal"]})
+                "fastest_over_rule": None if rule is None else
+                round(speed[best]["median"] / rule["median"], 3),
+                "revisit_rule": revisit, "tokens_equal": r["tokens_equal"]})
   return out
 
 
@@ -154,6 +156,8 @@ def main(argv=None) -> int:
   for v in rec["decode_options"]:
     if v["fastest"] == v["rule"]:
       verdict = "the fastest set"
+    elif v["revisit_rule"] is None:
+      verdict = f"not measured (fastest of those run: {v['fastest']})"
     else:
       verdict = (f"{v['fastest']} faster, {v['fastest_over_rule']}x"
                  + (" (beyond the quartiles: revisit the rule)" if v["revisit_rule"] else

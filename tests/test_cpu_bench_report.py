@@ -48,7 +48,9 @@ def test_targets_missing_records_and_a_rule_to_revisit(tmp_path, capsys):
       {"batch": 1, "heads": 1, "baseline": "eigen", "rule": "eigen", "tokens_equal": True,
        "speed_over_baseline": {"ynn": {"median": 1.3, "quartiles": [1.2, 1.4]}}},
       {"batch": 2, "heads": 1, "baseline": "eigen", "rule": "ynn", "tokens_equal": True,
-       "speed_over_baseline": {"ynn": {"median": 1.05, "quartiles": [0.9, 1.2]}}}])
+       "speed_over_baseline": {"ynn": {"median": 1.05, "quartiles": [0.9, 1.2]}}},
+      {"batch": 4, "heads": 1, "baseline": "eigen", "rule": "xla", "tokens_equal": True,
+       "speed_over_baseline": {"ynn": {"median": 1.1, "quartiles": [1.0, 1.2]}}}])
   rec = report_lib.report("x", str(tmp_path))
   assert rec["missing"] == ["bench_decode_hf", "profile_train"]
   assert rec["targets"]["train n_future 1"]["met"] is False
@@ -57,14 +59,16 @@ def test_targets_missing_records_and_a_rule_to_revisit(tmp_path, capsys):
   assert rec["readme_row"] == ("| Some Xeon (family 6, model 143), AVX-512 + AMX | 0.97x | "
                                "0.91x | - | - | bench_train_peer_x.json, "
                                "bench_decode_hf_x.json |")
-  one, two = rec["decode_options"]
+  one, two, four = rec["decode_options"]
   assert (one["fastest"], one["revisit_rule"], one["fastest_over_rule"]) == ("ynn", True, 1.3)
   assert (two["fastest"], two["revisit_rule"]) == ("ynn", False)
+  assert (four["revisit_rule"], four["fastest_over_rule"]) == (None, None)  # xla not measured
   assert report_lib.main(["--tag", "x", "--results", str(tmp_path)]) == 0
   err = capsys.readouterr().err
   assert "train n_future 1: 0.970x (same-round 0.990x), target >= 1.0x: NOT met" in err
   assert "batch 1: the rule's set eigen: ynn faster, 1.3x (beyond the quartiles" in err
   assert "batch 2: the rule's set ynn: the fastest set" in err
+  assert "batch 4: the rule's set xla: not measured (fastest of those run: ynn)" in err
   assert "Some Xeon (vendor GenuineIntel, family 6, model 143); 2 cores; avx2, avx512f" in err
 
 

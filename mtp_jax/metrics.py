@@ -74,6 +74,24 @@ def write_summary(path: str, summary: dict[str, Any], *, trained: bool) -> dict[
   return summary
 
 
+def summary_writer_class():
+  """tensorboardX.SummaryWriter, imported without torch. tensorboardX imports torch wherever it
+  is installed, for the type of the tensors it accepts: 1.5-2 s at the start of every run, more
+  than the rest of its import, for a writer that gets floats only. `import torch`
+  fails inside tensorboardX's import and works again after it; a process that has torch already
+  keeps it."""
+  if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None  # what `import torch` reads as "not installed"
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    if sys.modules.get("torch", 0) is None:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricsWriter:
   """Console, metrics.jsonl and TensorBoard behind one `write(step, kind, values)`."""
 
@@ -81,13 +99,12 @@ class MetricsWriter:
                mfu: Callable[[float], float | None] | None = None):
     """`mfu`: tokens/s -> model FLOPs utilisation (flops.mfu with this run's FLOPs per token and
     peak); train values then carry `mfu` too (console, metrics.jsonl, TensorBoard)."""
-    from tensorboardX import SummaryWriter  # (heavy)
     self.mfu = mfu
     self.total_steps = total_steps
     self.tokens_per_step = tokens_per_step
     self.last: dict[str, dict[str, float]] = {kind: {} for kind in KINDS}
     self._out = out
-    self._tb = SummaryWriter(workdir)
+    self._tb = summary_writer_class()(workdir)
     self._jsonl = open(os.path.join(workdir, workdir_lib.METRICS), "a")
 
   def write(self, step: int, kind: str, values: dict[str, Any]):

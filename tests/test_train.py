@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import copy_code_corpus
+from conftest import copy_code_corpus, require
 
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
@@ -95,6 +95,37 @@ def test_reference_run_outputs(reference):
   lines = open(os.path.join(wd, "metrics.jsonl")).read().splitlines()
   assert json.loads(lines[0])["step"] == 1
   assert "tok/s" in reference["stdout"] and "ETA" in reference["stdout"]
+
+
+_WRITER = """
+import sys
+from mtp_jax.metrics import MetricsWriter
+w = MetricsWriter(sys.argv[1], total_steps=2, tokens_per_step=8)
+w.write(1, "train", {"loss": 2.5, "tokens_per_sec": 100.0, "head_loss": [1.5, 1.0],
+                     "head_acc": [0.25, 0.5]})
+w.close()
+assert "torch" not in sys.modules, "MetricsWriter imported torch"
+import torch  # noqa: F401  (still importable afterwards)
+"""
+
+
+def test_metrics_writer_keeps_torch_out_and_writes_tensorboard_scalars(tmp_path):
+  """tensorboardX imports torch where it is installed (seconds at every run's start):
+  MetricsWriter's import keeps it out, torch still imports afterwards, and the event file holds
+  the scalars (TFRecord framing read here, Event protos parsed by tensorboardX's own)."""
+  require("torch")
+  p = subprocess.run([sys.executable, "-c", _WRITER, str(tmp_path)], capture_output=True,
+                     text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert p.returncode == 0, p.stderr[-3000:]
+  from tensorboardX.proto import event_pb2
+  (name,) = [n for n in os.listdir(tmp_path) if n.startswith("events.out.tfevents")]
+  data, scalars = (tmp_path / name).read_bytes(), {}
+  while data:  # [length u64][crc u32][record][crc u32]
+    n = int.from_bytes(data[:8], "little")
+    event = event_pb2.Event.FromString(data[12:12 + n])
+    data = data[16 + n:]
+    scalars.update({(v.tag, event.step): v.simple_value for v in event.summary.value})
+  assert scalars[("train/loss", 1)] == 2.5 and scalars[("train/head2_acc", 1)] == 0.5, scalars
 
 
 def test_rerun_of_finished_run_keeps_summary(corpus, reference, tmp_path):

@@ -54,10 +54,11 @@ class Training:
   step: Any  # jitted (state, batch) -> (state, metrics); donates the state
 
   def init_state(self, seed: int = 0) -> TrainState:
-    return init_state(self.model, self.tx, self.config, self.mesh, jax.random.PRNGKey(seed))
+    return init_state(self.model, self.tx, self.config, self.mesh, jax.random.PRNGKey(seed),
+                      self.state_shardings)
 
   def abstract_state(self) -> TrainState:
-    return abstract_state(self.model, self.tx, self.config, self.mesh)
+    return abstract_state(self.model, self.tx, self.config, self.mesh, self.state_shardings)
 
 
 def build_training(config: ml_collections.ConfigDict, mesh=None) -> Training:
@@ -123,17 +124,20 @@ def state_shardings(model, tx, config, mesh):
   return treedef.unflatten([optax.MaskedNode() if masked(x) else next(shardings) for x in leaves])
 
 
-def abstract_state(model, tx, config, mesh) -> TrainState:
-  """ShapeDtypeStructs (with shardings) of the unboxed train state: what restore fills in."""
+def abstract_state(model, tx, config, mesh, shardings=None) -> TrainState:
+  """ShapeDtypeStructs (with shardings) of the unboxed train state: what restore fills in.
+  `shardings`: `state_shardings(model, tx, config, mesh)` where the caller has them (each call
+  traces the model's init once more)."""
   shapes = jax.eval_shape(
       lambda r: nn.unbox(_boxed_state(model, tx, config, r)), jax.random.PRNGKey(0))
+  shardings = state_shardings(model, tx, config, mesh) if shardings is None else shardings
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      shapes, state_shardings(model, tx, config, mesh))
+                      shapes, shardings)
 
 
-def init_state(model, tx, config, mesh, rng) -> TrainState:
-  init = jax.jit(lambda r: nn.unbox(_boxed_state(model, tx, config, r)),
-                 out_shardings=state_shardings(model, tx, config, mesh))
+def init_state(model, tx, config, mesh, rng, shardings=None) -> TrainState:
+  shardings = state_shardings(model, tx, config, mesh) if shardings is None else shardings
+  init = jax.jit(lambda r: nn.unbox(_boxed_state(model, tx, config, r)), out_shardings=shardings)
   return init(rng)
 
 

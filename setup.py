@@ -11,6 +11,9 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10,<0.11",
+        # ml_dtypes 0.7.0 registers its ufunc loops in ~0.7 s of CPU at import (0.6.0: ~10 ms),
+        # paid by every process that imports jax; jax 0.10 asks >= 0.5 and uses nothing of 0.7.
+        "ml_dtypes>=0.5,<0.7",
         "flax>=0.12,<0.13",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11",

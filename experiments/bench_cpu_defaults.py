@@ -39,6 +39,11 @@ ENVS = {
     "ynn_off+hugetlb+heap": {"XLA_FLAGS": runtime.CPU_XLA_FLAGS[0], "GLIBC_TUNABLES": _HEAP},
     "ynn_off+hugetlb+one_arena": {"XLA_FLAGS": runtime.CPU_XLA_FLAGS[0],
                                   "GLIBC_TUNABLES": _HEAP + ":glibc.malloc.arena_max=1"},
+    # mimalloc preloaded (what runtime.apply_cpu_defaults does where the wheel is installed)
+    "ynn_off+hugetlb+mimalloc": {"XLA_FLAGS": runtime.CPU_XLA_FLAGS[0],
+                                 "GLIBC_TUNABLES": runtime.HUGETLB,
+                                 "LD_PRELOAD": runtime.mimalloc_path() or "",
+                                 **runtime.MIMALLOC_ENV},
 }
 
 
@@ -97,7 +102,8 @@ def main():
               for r in args.remats.split(",")]
   procs, info = {}, {}
   for env_name, impl, remat in variants:  # compile one at a time
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "GLIBC_TUNABLES", "LD_PRELOAD", *runtime.MIMALLOC_ENV)}
     env.update(ENVS[env_name], MTP_JAX_CPU_DEFAULTS="0")
     cmd, env = common.module_command("bench_cpu_defaults", env)
     cmd += ["--worker", "--impl", impl, "--remat", remat,

@@ -207,7 +207,8 @@ def peer(args, overrides):
            "load_avg_1min": os.getloadavg()[0],
            "torch_threads": t["torch_threads"], "torch_version": t["torch_version"],
            "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "rounds": args.steps,
+           "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+           "ld_preload": os.environ.get("LD_PRELOAD", ""), "rounds": args.steps,
            "burst": args.burst}
     for fw, info in (("jax", j), ("torch", t)):
       rec[f"{fw}_step_seconds_median"] = med[(fw, n)]

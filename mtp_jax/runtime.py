@@ -16,17 +16,27 @@ only where the user has not already decided:
   interpreter, same `sys.orig_argv`; MTP_JAX_REEXECED marks the second start). Skipped when
   GLIBC_TUNABLES already names the tunable, inside a notebook kernel or pytest, and when JAX
   is already imported (the re-exec would repeat that import's seconds; set it in the launcher).
+- LD_PRELOAD = mimalloc (the cmeel-mimalloc wheel, a Linux x86_64 dependency), in the same
+  re-exec, with MIMALLOC_PURGE_DELAY=1000: XLA:CPU takes a train step's temporaries as ONE
+  block (~1 GB for the default model), which glibc maps afresh and unmaps at every step (a
+  block over its 64 MB arena heaps always is, from a non-main thread, whatever the tunables),
+  so every step faulted ~500 huge pages in and zeroed them: 0.1 s of kernel time a step, and on
+  a KVM guest whose freed pages go back to the host, 0.8-1.3 s in some steps. mimalloc keeps a
+  freed block for a second and hands it back to the next step. Skipped where LD_PRELOAD is set
+  or GLIBC_TUNABLES already names a glibc.malloc tunable (the user chose an allocator), and
+  with MTP_JAX_MIMALLOC=0. Child processes inherit both, as they do GLIBC_TUNABLES.
 
 Decoding programs of 2+ rows (of 1 row too on the CPUs of YNN_ONE_ROW_CPUS) then get
 YNNPACK's dots back per program (`decode_compiler_options`, where that flag is in XLA_FLAGS).
 
 MTP_JAX_CPU_DEFAULTS=0 turns all of this off; MTP_JAX_CPU_DEFAULTS=flags keeps the XLA flags
-and skips the re-exec.
+and skips the re-exec; MTP_JAX_MIMALLOC=0 keeps glibc's malloc.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -37,6 +47,10 @@ REEXEC_MARK = "MTP_JAX_REEXECED"
 YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 CPU_XLA_FLAGS = (f"--{YNN_FUSION_OPTION}=-individual_dot",)
 HUGETLB = "glibc.malloc.hugetlb=1"
+MIMALLOC_OPT_OUT = "MTP_JAX_MIMALLOC"
+# A freed block stays in the process for a second (mimalloc's default: 10 ms), so the next
+# train step reuses the last one's temporaries; an idle process still gives them back.
+MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "1000"}
 _ACCELERATOR_MODULES = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                         "jax_rocm7_plugin", "libtpu")
 
@@ -66,6 +80,29 @@ def merged_xla_flags(current: str, defaults=CPU_XLA_FLAGS) -> str:
   return " ".join([current.strip(), *extra]).strip()
 
 
+@functools.cache
+def mimalloc_path() -> str | None:
+  """The libmimalloc.so of the installed cmeel-mimalloc wheel, or None."""
+  try:
+    files = importlib.metadata.files("cmeel-mimalloc") or ()
+  except importlib.metadata.PackageNotFoundError:
+    return None
+  for f in files:
+    if str(f).endswith("lib/libmimalloc.so") and os.path.isfile(f.locate()):
+      return str(f.locate())
+  return None
+
+
+def _mimalloc_preload(environ) -> str | None:
+  """mimalloc's path where the re-exec should preload it: found, not opted out of, and the user
+  has chosen no allocator (no LD_PRELOAD, no glibc.malloc tunable of their own)."""
+  if environ.get(MIMALLOC_OPT_OUT, "1").strip().lower() in ("0", "false", "off", "no"):
+    return None
+  if environ.get("LD_PRELOAD") or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+    return None
+  return mimalloc_path()
+
+
 def _in_notebook_or_tests() -> bool:
   return "ipykernel" in sys.modules or "pytest" in sys.modules
 
@@ -83,12 +120,19 @@ def apply_cpu_defaults(reexec: bool = True) -> dict:
   os.environ["XLA_FLAGS"] = merged_xla_flags(os.environ.get("XLA_FLAGS", ""))
   done = {"applied": True, "xla_flags": os.environ["XLA_FLAGS"], "reexec": False}
   tunables = os.environ.get("GLIBC_TUNABLES", "")
-  want_reexec = (reexec and mode != "flags" and "glibc.malloc.hugetlb" not in tunables
+  preload = _mimalloc_preload(os.environ)
+  want_reexec = (reexec and mode != "flags"
+                 and ("glibc.malloc.hugetlb" not in tunables or preload)
                  and not os.environ.get(REEXEC_MARK) and not _in_notebook_or_tests()
                  and "jax" not in sys.modules and sys.platform.startswith("linux")
                  and getattr(sys, "orig_argv", None))
   if want_reexec:
-    os.environ["GLIBC_TUNABLES"] = f"{tunables}:{HUGETLB}" if tunables else HUGETLB
+    if "glibc.malloc.hugetlb" not in tunables:
+      os.environ["GLIBC_TUNABLES"] = f"{tunables}:{HUGETLB}" if tunables else HUGETLB
+    if preload:
+      os.environ["LD_PRELOAD"] = preload
+      for k, v in MIMALLOC_ENV.items():
+        os.environ.setdefault(k, v)
     os.environ[REEXEC_MARK] = "1"
     sys.stdout.flush()
     sys.stderr.flush()

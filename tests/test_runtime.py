@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -20,8 +21,21 @@ PROBE = """
 import json, os, sys
 from mtp_jax import runtime
 done = runtime.apply_cpu_defaults()
-out = {k: os.environ.get(k) for k in ("XLA_FLAGS", "GLIBC_TUNABLES", "MTP_JAX_REEXECED")}
+out = {k: os.environ.get(k) for k in ("XLA_FLAGS", "GLIBC_TUNABLES", "MTP_JAX_REEXECED",
+                                      "LD_PRELOAD", "MIMALLOC_PURGE_DELAY")}
 out["done"] = done
+with open("/proc/self/maps") as f:
+  out["mimalloc_mapped"] = "libmimalloc" in f.read()
+if "--faults" in sys.argv:  # page faults of calls whose 64 MB temporary is freed between them
+  import resource, jax, jax.numpy as jnp
+  f = jax.jit(lambda x, v: jnp.sin(x) @ v)
+  x, v = jnp.ones((2048, 8192)), jnp.ones((8192, 1))
+  for _ in range(3):
+    f(x, v).block_until_ready()
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  for _ in range(5):
+    f(x, v).block_until_ready()
+  out["faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 if "--compile" in sys.argv:
   import jax, jax.numpy as jnp
   q = jnp.ones((2, 4, 8, 8))
@@ -33,7 +47,8 @@ print(json.dumps(out))
 
 def _run(env_changes, *args):
   env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "GLIBC_TUNABLES", runtime.OPT_OUT, runtime.REEXEC_MARK)}
+         if k not in ("XLA_FLAGS", "GLIBC_TUNABLES", runtime.OPT_OUT, runtime.REEXEC_MARK,
+                      "LD_PRELOAD", runtime.MIMALLOC_OPT_OUT, *runtime.MIMALLOC_ENV)}
   env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **env_changes})
   env = {k: v for k, v in env.items() if v is not None}
   res = subprocess.run([sys.executable, "-c", PROBE, *args], env=env, capture_output=True,
@@ -48,6 +63,31 @@ def test_sets_flags_and_reexecs_once_with_huge_pages():
   assert out["XLA_FLAGS"] == YNN
   assert out["GLIBC_TUNABLES"] == runtime.HUGETLB
   assert out["MTP_JAX_REEXECED"] == "1"
+
+
+MIMALLOC_EXPECTED = sys.platform == "linux" and platform.machine() == "x86_64"  # setup.py
+
+
+def test_mimalloc_preloaded_and_a_freed_block_is_not_faulted_in_again():
+  """The re-exec preloads mimalloc (a setup.py dependency here): a 64 MB temporary freed
+  between calls is reused, where glibc maps it afresh and faults it in at every call."""
+  assert (runtime.mimalloc_path() is not None) == MIMALLOC_EXPECTED
+  if not MIMALLOC_EXPECTED:
+    return
+  out = _run({}, "--faults")
+  assert out["LD_PRELOAD"] == runtime.mimalloc_path() and out["mimalloc_mapped"]
+  assert out["MIMALLOC_PURGE_DELAY"] == runtime.MIMALLOC_ENV["MIMALLOC_PURGE_DELAY"]
+  glibc = _run({runtime.MIMALLOC_OPT_OUT: "0"}, "--faults")
+  assert glibc["LD_PRELOAD"] is None and not glibc["mimalloc_mapped"]
+  assert glibc["GLIBC_TUNABLES"] == runtime.HUGETLB and glibc["MTP_JAX_REEXECED"] == "1"
+  # glibc: 32 huge pages (or 16k small ones) a call; mimalloc: none once warm
+  assert glibc["faults"] >= 5 * 32 and out["faults"] < 32, (glibc["faults"], out["faults"])
+  # an allocator the user chose is kept: their LD_PRELOAD, or a glibc.malloc tunable of theirs
+  for env in ({"LD_PRELOAD": runtime.mimalloc_path(), runtime.MIMALLOC_OPT_OUT: None},
+              {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}):
+    mine = _run(env)
+    assert mine["MIMALLOC_PURGE_DELAY"] is None, env
+    assert mine["LD_PRELOAD"] == env.get("LD_PRELOAD"), env
 
 
 def test_flag_takes_effect_and_opt_out_keeps_the_library_dots():

@@ -144,11 +144,19 @@ def apply_cpu_defaults(reexec: bool = True) -> dict:
 DECODE_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
 
 
-# CPUs where YNNPACK's dots also win at one row, as (vendor_id, cpu family) of /proc/cpuinfo:
-# AMD family 25 (Zen 3 and Zen 4; greedy decoding at batch 1 1.20x on a model-1 EPYC, AVX2 only,
-# 1.12x on a model-17 one, AVX-512). A family-26 EPYC measured them 4.4x slower at batch 1, and
-# no Intel CPU was measured: those keep XLA's own matrix-vector loop (docs/cpu_speed.md).
-YNN_ONE_ROW_CPUS = (("AuthenticAMD", 25),)
+# CPUs where YNNPACK's dots also win at one row, as prefixes of `cpu_ids()` (vendor_id, cpu
+# family[, model]) of /proc/cpuinfo: AMD family 25 (Zen 3 and Zen 4; greedy decoding at batch 1
+# 1.20x on a model-1 EPYC, AVX2 only, 1.12x-1.25x on a model-17 one, AVX-512), and the Intel
+# Xeon of family 6 model 167 (AVX-512 + AMX, a KVM guest: 1.10x, quartiles 1.08-1.11). A
+# family-26 EPYC measured them 4.4x slower at batch 1; every other CPU keeps XLA's own
+# matrix-vector loop at one row until measured (docs/cpu_speed.md).
+YNN_ONE_ROW_CPUS = (("AuthenticAMD", 25), ("GenuineIntel", 6, 167))
+
+
+def ynn_one_row() -> bool:
+  """Whether this CPU is one of YNN_ONE_ROW_CPUS."""
+  ids = cpu_ids()
+  return any(ids[:len(entry)] == entry for entry in YNN_ONE_ROW_CPUS)
 
 
 def decode_compiler_options(batch: int) -> dict | None:
@@ -161,7 +169,7 @@ def decode_compiler_options(batch: int) -> dict | None:
   YNN_ONE_ROW_CPUS only. Every program of a batch (plain, chain and tree, the cost model's
   probes) compiles alike: speculative decoding is exact because a window's rows and a one-token
   step's are summed by the same kernels."""
-  if batch < (1 if cpu_ids()[:2] in YNN_ONE_ROW_CPUS else 2):
+  if batch < (1 if ynn_one_row() else 2):
     return None
   if CPU_XLA_FLAGS[0] not in os.environ.get("XLA_FLAGS", "").split():
     return None

@@ -91,6 +91,6 @@ def test_speculative_equals_greedy_with_cpu_defaults():
   from mtp_jax import runtime
   ynn = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
                                                   "LIBRARY_FUSION_TYPE_REDUCE"}
-  one_row = ynn if runtime.cpu_ids()[:2] in runtime.YNN_ONE_ROW_CPUS else None
+  one_row = ynn if runtime.ynn_one_row() else None
   assert [c["options"] for c in _check(CPU_DEFAULTS_CASES, cpu_defaults=True)] == [ynn, one_row,
                                                                                   ynn]

@@ -130,9 +130,10 @@ def test_decode_compiler_options(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=1 {YNN}")
   options = runtime.decode_compiler_options(2)
   assert options == {"xla_cpu_experimental_ynn_fusion_type": runtime.DECODE_YNN_FUSIONS}
-  # one row: only on the CPUs measured faster with them (AMD family 25), chosen by cpuinfo
+  # one row: only on the CPUs measured faster with them (AMD family 25, one Intel model)
   for ids, one_row in ((("AuthenticAMD", 25, 1), options), (("AuthenticAMD", 25, 17), options),
                        (("AuthenticAMD", 26, 2), None), (("GenuineIntel", 6, 143), None),
+                       (("GenuineIntel", 6, 167), options),
                        ((None, None, None), None)):
     monkeypatch.setattr(runtime, "cpu_ids", lambda ids=ids: ids)
     assert runtime.decode_compiler_options(1) == one_row, ids

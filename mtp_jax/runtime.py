@@ -17,14 +17,15 @@ only where the user has not already decided:
   GLIBC_TUNABLES already names the tunable, inside a notebook kernel or pytest, and when JAX
   is already imported (the re-exec would repeat that import's seconds; set it in the launcher).
 - LD_PRELOAD = mimalloc (the cmeel-mimalloc wheel, a Linux x86_64 dependency), in the same
-  re-exec, with MIMALLOC_PURGE_DELAY=1000: XLA:CPU takes a train step's temporaries as ONE
+  re-exec, with MIMALLOC_PURGE_DELAY=-1: XLA:CPU takes a train step's temporaries as ONE
   block (~1 GB for the default model), which glibc maps afresh and unmaps at every step (a
   block over its 64 MB arena heaps always is, from a non-main thread, whatever the tunables),
   so every step faulted ~500 huge pages in and zeroed them: 0.1 s of kernel time a step, and on
-  a KVM guest whose freed pages go back to the host, 0.8-1.3 s in some steps. mimalloc keeps a
-  freed block for a second and hands it back to the next step. Skipped where LD_PRELOAD is set
-  or GLIBC_TUNABLES already names a glibc.malloc tunable (the user chose an allocator), and
-  with MTP_JAX_MIMALLOC=0. Child processes inherit both, as they do GLIBC_TUNABLES.
+  a KVM guest whose freed pages go back to the host, 0.8-1.3 s in some steps. mimalloc keeps
+  freed memory in the process (never purged) and hands the block to the next step. Skipped
+  where LD_PRELOAD is set or GLIBC_TUNABLES already names a glibc.malloc tunable (the user
+  chose an allocator), and with MTP_JAX_MIMALLOC=0. Child processes inherit both, as they do
+  GLIBC_TUNABLES.
 
 Decoding programs of 2+ rows (of 1 row too on the CPUs of YNN_ONE_ROW_CPUS) then get
 YNNPACK's dots back per program (`decode_compiler_options`, where that flag is in XLA_FLAGS).
@@ -48,9 +49,11 @@ YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 CPU_XLA_FLAGS = (f"--{YNN_FUSION_OPTION}=-individual_dot",)
 HUGETLB = "glibc.malloc.hugetlb=1"
 MIMALLOC_OPT_OUT = "MTP_JAX_MIMALLOC"
-# A freed block stays in the process for a second (mimalloc's default: 10 ms), so the next
-# train step reuses the last one's temporaries; an idle process still gives them back.
-MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "1000"}
+# Freed memory is never given back to the OS (mimalloc's default purges it after 10 ms): the
+# next train step reuses the last one's temporaries, and the process holds its peak, as glibc's
+# heap does. A purge delay of 1 s or 10 s still let mimalloc give the step's block back now and
+# then (405 huge pages faulted in again, 2.4 s of system time in that step on the AMX Xeon).
+MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "-1"}
 _ACCELERATOR_MODULES = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                         "jax_rocm7_plugin", "libtpu")
 

@@ -31,6 +31,20 @@ def test_kept_records_give_the_readme_row():
   assert set(rec["one_core_jax_over_torch"]) == {1, 4}
 
 
+def test_the_xeon_records_give_the_readme_row():
+  """The model-167 AMX Xeon's records (after mimalloc and its batch-1 rule): the README's row,
+  and YNNPACK's dots the fastest decoding set at every batch, as the rule now picks there."""
+  rec = report_lib.report("xeon_m167")
+  assert rec["missing"] == []
+  with open(os.path.join(ROOT, "README.md")) as f:
+    assert rec["readme_row"] in f.read()
+  assert rec["machine"]["cpu_vendor"] == "GenuineIntel" and rec["machine"]["cpu_model_id"] == 167
+  assert all(v["rule"] == v["fastest"] == "ynn" for v in rec["decode_options"])
+  before = report_lib.report("xeon_m167_before")
+  assert before["decode_options"][0]["rule"] == "eigen" and before["decode_options"][0][
+      "revisit_rule"]
+
+
 def _write(folder, name, records):
   with open(os.path.join(folder, name), "w") as f:
     json.dump(records, f)

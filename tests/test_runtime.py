@@ -33,7 +33,7 @@ if "--faults" in sys.argv:  # page faults of calls whose 64 MB temporary is free
   for _ in range(3):
     f(x, v).block_until_ready()
   before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-  for _ in range(5):
+  for _ in range(10):
     f(x, v).block_until_ready()
   out["faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 if "--compile" in sys.argv:
@@ -80,8 +80,9 @@ def test_mimalloc_preloaded_and_a_freed_block_is_not_faulted_in_again():
   glibc = _run({runtime.MIMALLOC_OPT_OUT: "0"}, "--faults")
   assert glibc["LD_PRELOAD"] is None and not glibc["mimalloc_mapped"]
   assert glibc["GLIBC_TUNABLES"] == runtime.HUGETLB and glibc["MTP_JAX_REEXECED"] == "1"
-  # glibc: 32 huge pages (or 16k small ones) a call; mimalloc: none once warm
-  assert glibc["faults"] >= 5 * 32 and out["faults"] < 32, (glibc["faults"], out["faults"])
+  # glibc: the block faulted in at every call, 32 huge pages (or 16k small ones); mimalloc: the
+  # block kept (0 here when quiet, 35 in 5 calls beside other tests: other small allocations)
+  assert glibc["faults"] >= 10 * 32 and out["faults"] < 10 * 16, (glibc["faults"], out["faults"])
   # an allocator the user chose is kept: their LD_PRELOAD, or a glibc.malloc tunable of theirs
   for env in ({"LD_PRELOAD": runtime.mimalloc_path(), runtime.MIMALLOC_OPT_OUT: None},
               {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}):

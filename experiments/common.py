@@ -25,6 +25,14 @@ def module_command(module: str, env=None, tree: str | None = None) -> tuple[list
   return [sys.executable, "-m", f"experiments.{module}"], env
 
 
+def one_core_before_jax() -> None:
+  """This process on one CPU (the lowest it may use) and XLA:CPU's dots on one thread, so each
+  op runs in line: call it before JAX starts (profile_train, step_faults --one_core)."""
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_cpu_multi_thread_eigen=false").strip()
+  os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
 def is_checkout(tree: str, module: str) -> bool:
   """Whether folder `tree` is a checkout of this repository holding experiments/<module>.py."""
   return os.path.isfile(os.path.join(tree, "experiments", f"{module}.py"))

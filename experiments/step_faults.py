@@ -20,12 +20,11 @@ import os
 import sys
 
 if __name__ == "__main__":  # before JAX starts
+  from experiments import common
   from mtp_jax import runtime
   runtime.apply_cpu_defaults()
   if "--one_core" in sys.argv:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_cpu_multi_thread_eigen=false").strip()
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    common.one_core_before_jax()
 
 import argparse
 import resource

@@ -96,10 +96,15 @@ def mimalloc_path() -> str | None:
   return None
 
 
+def _switched_off(value: str) -> bool:
+  """Whether an opt-out variable's value says off (0, false, off, no; any case)."""
+  return value.strip().lower() in ("0", "false", "off", "no")
+
+
 def _mimalloc_preload(environ) -> str | None:
   """mimalloc's path where the re-exec should preload it: found, not opted out of, and the user
   has chosen no allocator (no LD_PRELOAD, no glibc.malloc tunable of their own)."""
-  if environ.get(MIMALLOC_OPT_OUT, "1").strip().lower() in ("0", "false", "off", "no"):
+  if _switched_off(environ.get(MIMALLOC_OPT_OUT, "1")):
     return None
   if environ.get("LD_PRELOAD") or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
     return None
@@ -114,7 +119,7 @@ def apply_cpu_defaults(reexec: bool = True) -> dict:
   """Applies the CPU defaults (see the module docstring); returns what it did, for logging.
   Call it before JAX starts its backend: afterwards XLA_FLAGS is no longer read."""
   mode = os.environ.get(OPT_OUT, "1").strip().lower()
-  if mode in ("0", "false", "off", "no"):
+  if _switched_off(mode):
     return {"applied": False, "why": f"{OPT_OUT}={mode}"}
   if not cpu_backend_expected():
     return {"applied": False, "why": "not a CPU backend"}

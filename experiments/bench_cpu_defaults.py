@@ -98,7 +98,13 @@ def main():
   args = ap.parse_args()
   if args.worker:
     return worker(args)
-  variants = [(e, i, r) for e in args.envs.split(",") for i in args.impls.split(",")
+  envs = args.envs.split(",")
+  for e in envs:
+    if e not in ENVS:
+      ap.error(f"--envs: {e!r} is none of {list(ENVS)}")
+    if ENVS[e].get("LD_PRELOAD") == "":  # would time glibc's malloc under mimalloc's name
+      ap.error(f"--envs: {e!r} needs mimalloc (pip install cmeel-mimalloc), not installed")
+  variants = [(e, i, r) for e in envs for i in args.impls.split(",")
               for r in args.remats.split(",")]
   procs, info = {}, {}
   for env_name, impl, remat in variants:  # compile one at a time

@@ -176,9 +176,12 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   [0, end of block i): with n blocks (n - 1) / 2n of the logits, their softmax and their
   gradients are never computed (3/8 with 4; 8 blocks measured slower: smaller GEMMs).
   (A profile of the einsum path: the reference's masked upper half and select made attention
-  2.5x torch's.) `kv_heads_major`: k and v are already [B, K, T, E], as the KV cache stores
-  them, so a decoding step reads the cache in place (transposing every layer's whole cache at
-  every step took ~10% of a batch-8 greedy step on an AVX-512 Xeon)."""
+  2.5x torch's.) Without a cache, v is transposed to [B, K, E, T] instead, so the p v matmul
+  contracts the minor axis of both operands, as q k^T does: one layer's attention forward +
+  backward 1.08x faster on one core of the model-167 Xeon, the same values to the last bit
+  (docs/cpu_speed.md). `kv_heads_major`: k and v are already [B, K, T, E], as the KV cache
+  stores them, so a decoding step reads the cache in place (transposing every layer's whole
+  cache at every step took ~10% of a batch-8 greedy step on an AVX-512 Xeon)."""
   B, S, H, E = q_BxSxHxE.shape
   if kv_heads_major:
     K, T = k_BxTxKxE.shape[1:3]
@@ -186,7 +189,8 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   else:
     T, K = k_BxTxKxE.shape[1:3]
     k_BxKxTxE = k_BxTxKxE.transpose(0, 2, 1, 3)
-    v_BxKxTxE = v_BxTxKxE.transpose(0, 2, 1, 3)
+    v_BxKxTxE = v_BxTxKxE.transpose(0, 2, 1, 3) if cached else None
+  v_BxKxExT = v_BxTxKxE.transpose(0, 2, 3, 1) if v_BxKxTxE is None else None
   G = H // K
   n_blocks = 1 if cached else (query_blocks or CPU_QUERY_BLOCKS)
   if S % n_blocks:
@@ -214,22 +218,25 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
       if segment_ids_BxS is not None:
         same_BxSbxTi = segment_ids_BxS[:, lo:hi, None] == segment_ids_BxS[:, None, :Ti]
         bias = bias + _bias(same_BxSbxTi)[:, None, None]
-    outs.append(_softmax_times_v((logits_BxKxGxSbxTi + bias).reshape(B, K, G * Sb, Ti),
-                                 v_BxKxTxE[:, :, :Ti], dtype).reshape(B, K, G, Sb, E))
+    v_i, v_axes = ((v_BxKxTxE[:, :, :Ti], "bkte") if v_BxKxExT is None
+                   else (v_BxKxExT[..., :Ti], "bket"))
+    outs.append(_softmax_times_v((logits_BxKxGxSbxTi + bias).reshape(B, K, G * Sb, Ti), v_i,
+                                 dtype, v_axes).reshape(B, K, G, Sb, E))
   out_BxKxGxSxE = outs[0] if n_blocks == 1 else jnp.concatenate(outs, axis=3)
   return out_BxKxGxSxE.transpose(0, 3, 1, 2, 4).reshape(B, S, H, E)
 
 
-def _softmax_times_v(logits_BxKxQxT, v_BxKxTxE, dtype):
+def _softmax_times_v(logits_BxKxQxT, v, dtype, v_axes: str = "bkte"):
   """softmax(logits) v, normalised after the matmul as flash attention does: p = exp(logits -
   max) and its row sums l, then (p v) / l. The division runs over [Q, E] instead of [Q, T], and
   with the max held constant (softmax does not depend on it) the backward pass is p * (dP -
   rowsum(dO * out)) / l, a sum over E, not T: one elementwise pass over [Q, T] where softmax's
-  gradient takes two (measured 1.04x on a layer's attention forward + backward, AVX-512 Xeon)."""
+  gradient takes two (measured 1.04x on a layer's attention forward + backward, AVX-512 Xeon).
+  `v_axes`: v's einsum axes, "bkte" ([B, K, T, E]) or "bket" ([B, K, E, T])."""
   max_BxKxQx1 = jax.lax.stop_gradient(jnp.max(logits_BxKxQxT, axis=-1, keepdims=True))
   p_BxKxQxT = jnp.exp(logits_BxKxQxT - max_BxKxQx1)
   sum_BxKxQx1 = jnp.sum(p_BxKxQxT, axis=-1, keepdims=True)
-  out_BxKxQxE = jnp.einsum("bkqt,bkte->bkqe", p_BxKxQxT.astype(dtype), v_BxKxTxE,
+  out_BxKxQxE = jnp.einsum(f"bkqt,{v_axes}->bkqe", p_BxKxQxT.astype(dtype), v,
                            preferred_element_type=jnp.float32)
   return (out_BxKxQxE / sum_BxKxQx1).astype(dtype)
 

@@ -26,10 +26,10 @@ def module_command(module: str, env=None, tree: str | None = None) -> tuple[list
 
 
 def one_core_before_jax() -> None:
-  """This process on one CPU (the lowest it may use) and XLA:CPU's dots on one thread, so each
-  op runs in line: call it before JAX starts (profile_train, step_faults --one_core)."""
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_cpu_multi_thread_eigen=false").strip()
+  """This process on one CPU (the lowest it may use), so XLA:CPU's thread pool has one thread
+  and each op, dots included, runs in line: call it before JAX starts (profile_train,
+  step_faults --one_core). (`xla_cpu_multi_thread_eigen=false` does not do it: jaxlib 0.10's
+  thunk runtime threads a dot over the pool whatever the flag says.)"""
   os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 

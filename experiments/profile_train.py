@@ -4,8 +4,8 @@ PyTorch's (the seed design of experiments/torch_peer.py, the model bench_train -
     python experiments/profile_train.py [--n_future 1,4] [--kind projection] [--steps 3] \\
         [--reps 5] [--no_torch] [--json out/profile_train.json]
 
-One core (`os.sched_setaffinity`, CPU 0) and one thread per framework: XLA:CPU runs every dot
-in line (`--xla_cpu_multi_thread_eigen=false`, `train.batch_slices=1`), so a thunk's event lasts
+One core (`os.sched_setaffinity`, CPU 0, before JAX starts) and one thread per framework: XLA:CPU's
+pool has one thread and runs every dot in line (`train.batch_slices=1`), so a thunk's event lasts
 as long as its op and the ops' sum covers the step (`coverage`; with two threads, Eigen's
 asynchronous dots end their events at dispatch: experiments/hlo_profile.py), and PyTorch runs
 with `torch.set_num_threads(1)`. This is the frameworks' single-thread work, not their

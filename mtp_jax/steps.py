@@ -70,10 +70,8 @@ def build_training(config: ml_collections.ConfigDict, mesh=None) -> Training:
   tx = optim_lib.make_optimizer(config)
   state_sh = state_shardings(model, tx, config, mesh)
   batch_sh = shard_lib.batch_sharding(mesh)
-  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the mesh decides, not the host
-    options = compiler_options(config)
   step = jax.jit(make_train_step(model, tx, config), in_shardings=(state_sh, batch_sh),
-                 out_shardings=(state_sh, None), donate_argnums=0, compiler_options=options)
+                 out_shardings=(state_sh, None), donate_argnums=0)
   return Training(config, model, tx, mesh, state_sh, batch_sh, step)
 
 
@@ -81,7 +79,10 @@ def batch_slices(config: ml_collections.ConfigDict) -> int:
   """train.batch_slices resolved (static: while building or tracing): the set value, or for 0
   (auto) 2 when training on one CPU device (`layers.one_cpu_device`) that has 2 cores and a
   micro-batch of even rows, else 1. Two cores are what it was measured on (docs/cpu_speed.md);
-  other core counts keep 1 until measured."""
+  other core counts keep 1 until measured. The slices' ops run side by side on XLA:CPU's
+  thread pool, and each matmul still splits over both threads: jaxlib 0.10's thunk runtime
+  ignores `xla_cpu_multi_thread_eigen=false` (compile option or flag: a [2048, 256] x
+  [2048, 1536] weight gradient takes 2x its wall time in CPU time with it as without)."""
   t = config.train
   if t.batch_slices:
     return t.batch_slices
@@ -91,16 +92,6 @@ def batch_slices(config: ml_collections.ConfigDict) -> int:
 
 def _cores() -> int:
   return len(os.sched_getaffinity(0))
-
-
-def compiler_options(config: ml_collections.ConfigDict) -> dict | None:
-  """XLA options of the train step: on one CPU device with a batch slice for every core, each
-  matmul single-threaded (the slices keep the cores busy side by side; Eigen's two-thread GEMMs
-  reach 0.6-0.95x of torch.mm on these shapes, one-thread ones equal it). Else XLA's defaults."""
-  n = batch_slices(config)
-  if n > 1 and n >= _cores() and layers.one_cpu_device():
-    return {"xla_cpu_multi_thread_eigen": False}
-  return None
 
 
 def _dummy_tokens(config):

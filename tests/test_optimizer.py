@@ -124,29 +124,25 @@ def test_grad_accumulation_is_exact_with_uneven_padding(make_config, make_model)
   assert abs(float(bare_loss) - float(m4["head_loss"].sum())) < 1e-5 * float(bare_loss)
 
 
-def test_batch_slices_auto_and_single_threaded_matmuls(make_config, monkeypatch):
-  """train.batch_slices 0 (auto): 2 slices on one CPU device with 2 cores and even rows, and
-  then single-threaded matmuls (a slice per core); 1 on other core counts, odd rows or a
-  multi-device mesh; a set value is kept, and its matmuls stay threaded while cores are left."""
+def test_batch_slices_auto(make_config, monkeypatch):
+  """train.batch_slices 0 (auto): 2 slices on one CPU device with 2 cores and even rows; 1 on
+  other core counts, odd rows or a multi-device mesh; a set value is kept."""
   from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
   c = make_config("parallel", 2)
   c.train.batch_size = 8
-  single = {"xla_cpu_multi_thread_eigen": False}
   monkeypatch.setattr(steps_lib, "_cores", lambda: 2)
-  assert steps_lib.batch_slices(c) == 2 and steps_lib.compiler_options(c) == single
+  assert steps_lib.batch_slices(c) == 2
   mesh = AbstractMesh((2, 1, 1), ("data", "fsdp", "tensor"), abstract_device=AbstractDevice(
       device_kind="cpu", num_cores=1, platform="cpu"))
   with use_abstract_mesh(mesh):
-    assert steps_lib.batch_slices(c) == 1 and steps_lib.compiler_options(c) is None
+    assert steps_lib.batch_slices(c) == 1
   c.train.grad_accum = 8  # micro-batches of one row
   assert steps_lib.batch_slices(c) == 1
   c.train.grad_accum = 1
   monkeypatch.setattr(steps_lib, "_cores", lambda: 4)
-  assert steps_lib.batch_slices(c) == 1 and steps_lib.compiler_options(c) is None
-  c.train.batch_slices = 2
-  assert steps_lib.batch_slices(c) == 2 and steps_lib.compiler_options(c) is None
+  assert steps_lib.batch_slices(c) == 1
   c.train.batch_slices = 4
-  assert steps_lib.compiler_options(c) == single
+  assert steps_lib.batch_slices(c) == 4
 
 
 def test_bf16_compute_trains(make_config):

@@ -185,12 +185,12 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   B, S, H, E = q_BxSxHxE.shape
   if kv_heads_major:
     K, T = k_BxTxKxE.shape[1:3]
-    k_BxKxTxE, v_BxKxTxE = k_BxTxKxE, v_BxTxKxE
+    k_BxKxTxE, v_heads, v_axes = k_BxTxKxE, v_BxTxKxE, "bkte"
   else:
     T, K = k_BxTxKxE.shape[1:3]
     k_BxKxTxE = k_BxTxKxE.transpose(0, 2, 1, 3)
-    v_BxKxTxE = v_BxTxKxE.transpose(0, 2, 1, 3) if cached else None
-  v_BxKxExT = v_BxTxKxE.transpose(0, 2, 3, 1) if v_BxKxTxE is None else None
+    v_heads, v_axes = ((v_BxTxKxE.transpose(0, 2, 1, 3), "bkte") if cached
+                       else (v_BxTxKxE.transpose(0, 2, 3, 1), "bket"))
   G = H // K
   n_blocks = 1 if cached else (query_blocks or CPU_QUERY_BLOCKS)
   if S % n_blocks:
@@ -218,8 +218,7 @@ def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
       if segment_ids_BxS is not None:
         same_BxSbxTi = segment_ids_BxS[:, lo:hi, None] == segment_ids_BxS[:, None, :Ti]
         bias = bias + _bias(same_BxSbxTi)[:, None, None]
-    v_i, v_axes = ((v_BxKxTxE[:, :, :Ti], "bkte") if v_BxKxExT is None
-                   else (v_BxKxExT[..., :Ti], "bket"))
+    v_i = jax.lax.slice_in_dim(v_heads, 0, Ti, axis=v_axes.index("t"))
     outs.append(_softmax_times_v((logits_BxKxGxSbxTi + bias).reshape(B, K, G * Sb, Ti), v_i,
                                  dtype, v_axes).reshape(B, K, G, Sb, E))
   out_BxKxGxSxE = outs[0] if n_blocks == 1 else jnp.concatenate(outs, axis=3)

@@ -33,8 +33,8 @@ def test_kept_records_give_the_readme_row():
 
 def test_the_xeon_records_give_the_readme_row():
   """The model-167 AMX Xeon's latest records (after mimalloc, its batch-1 rule and the one-loop
-  SwiGLU gradient): the README's row,
-  and YNNPACK's dots the fastest decoding set at every batch, as the rule now picks there."""
+  SwiGLU gradient): the README's row, and YNNPACK's dots the fastest decoding set at every
+  batch, as the rule now picks there."""
   rec = report_lib.report("xeon_m167_gate")
   assert rec["missing"] == []
   with open(os.path.join(ROOT, "README.md")) as f:

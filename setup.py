@@ -8,6 +8,8 @@ setup(
     # experiments: so that `python experiments/X.py` finds its sibling modules (experiments.common)
     # from an editable install, as `python -m experiments.X` does from the repository root.
     packages=find_packages(include=["mtp_jax", "mtp_jax.*", "experiments"]),
+    # model.cpu_matmul's XLA FFI handler, compiled on first use (mtp_jax/cpu_gemm.py)
+    package_data={"mtp_jax": ["csrc/*.cc"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10,<0.11",

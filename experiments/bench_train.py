@@ -45,6 +45,7 @@ import jax
 import numpy as np
 
 from experiments import common
+from mtp_jax import cpu_gemm
 from mtp_jax import steps as steps_lib
 from mtp_jax import validation
 from mtp_jax.config import load_file
@@ -203,6 +204,8 @@ def peer(args, overrides):
            "n_layers": c.model.n_layers, "n_heads": c.model.n_heads,
            "n_kv_heads": c.model.n_kv_heads, "d_ff": c.model.d_ff, "dtype": c.model.dtype,
            "attention_impl": c.model.attention_impl, "remat_policy": c.model.remat_policy,
+           # model.cpu_matmul, and why MKL's sgemm was not at hand (null: it was)
+           "cpu_matmul": c.model.cpu_matmul, "cpu_gemm_unavailable": cpu_gemm.unavailable_reason(),
            "cpu_count": os.cpu_count(), "cpus": sorted(os.sched_getaffinity(0)),
            "load_avg_1min": os.getloadavg()[0],
            "torch_threads": t["torch_threads"], "torch_version": t["torch_version"],

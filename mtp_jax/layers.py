@@ -16,8 +16,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from mtp_jax import attention, sharding
+from mtp_jax import attention, cpu_gemm, sharding
 from mtp_jax.model_args import ModelArgs
 
 Cache = dict[str, jax.Array]  # {"k": [B, K, L, E], "v": [B, K, L, E]}, heads-major
@@ -40,6 +41,21 @@ def one_cpu_device() -> bool:
 def fuse_projections(a: ModelArgs) -> bool:
   """model.fuse_projections resolved: "on", "off", or for "auto" `one_cpu_device()`."""
   return a.fuse_projections == "on" or (a.fuse_projections == "auto" and one_cpu_device())
+
+
+def dot_general(a: ModelArgs):
+  """model.cpu_matmul resolved to the dot_general the dense layers and the loss take, for a
+  trace compiled for one CPU device: `cpu_gemm.dot_general` (MKL's sgemm for float32 products
+  of many rows) for "mkl", and for "auto" where MKL is at hand; lax.dot_general for "xla" and on
+  every other target (a mesh, an accelerator). Static: called while tracing."""
+  if a.cpu_matmul == "xla" or not one_cpu_device():
+    return lax.dot_general
+  if a.cpu_matmul == "auto":
+    return cpu_gemm.dot_general if cpu_gemm.available() else lax.dot_general
+  if not cpu_gemm.available():  # validation says so first; a config built past it lands here
+    raise ValueError(f"model.cpu_matmul: mkl is not available here: "
+                     f"{cpu_gemm.unavailable_reason()} (auto or xla are)")
+  return cpu_gemm.dot_general
 
 
 class DenseParams(nn.Module):
@@ -104,7 +120,7 @@ def _silu_gate_bwd(gate_up_TxF2, d_out_TxF):
 silu_gate.defvjp(_silu_gate_fwd, _silu_gate_bwd)
 
 
-def fused_dense(x_TxD, params, dtype, split: bool = True):
+def fused_dense(x_TxD, params, dtype, split: bool = True, dot=lax.dot_general):
   """[x @ kernel_i (+ bias_i) for (kernel_i, bias_i) in params] as ONE matmul against the kernels
   concatenated on their output axis, then split (`split=False`: the [T, sum of widths] output
   as is): the backward's weight gradient is one GEMM and its input gradient one GEMM instead of
@@ -112,7 +128,7 @@ def fused_dense(x_TxD, params, dtype, split: bool = True):
   [D, *features])."""
   widths = [math.prod(k.shape[1:]) for k, _ in params]
   w_DxN = jnp.concatenate([k.reshape(k.shape[0], -1) for k, _ in params], axis=1)
-  y_TxN = jnp.dot(x_TxD.astype(dtype), w_DxN.astype(dtype))
+  y_TxN = dot(x_TxD.astype(dtype), w_DxN.astype(dtype), (((1,), (0,)), ((), ())))
   if params[0][1] is not None:
     y_TxN = y_TxN + jnp.concatenate([b.reshape(-1) for _, b in params]).astype(dtype)
   if not split:
@@ -122,7 +138,7 @@ def fused_dense(x_TxD, params, dtype, split: bool = True):
 
 
 def projections(module: nn.Module, x_BxSxD, specs, use_bias: bool, dtype, fused: bool,
-                joined: bool = False):
+                joined: bool = False, dot=lax.dot_general):
   """One projection of x per (features, logical axes, name) in `specs`, each a child named
   `name` with DenseGeneral's params: as one matmul (`fused_dense`) or one DenseGeneral each.
   `joined` (fused only): the one matmul's [B*S, sum of widths] output, not split."""
@@ -130,11 +146,11 @@ def projections(module: nn.Module, x_BxSxD, specs, use_bias: bool, dtype, fused:
   if fused:
     params = [DenseParams(f, axes, use_bias, parent=module, name=name)(D)
               for f, axes, name in specs]
-    ys = fused_dense(x_BxSxD.reshape(B * S, D), params, dtype, split=not joined)
+    ys = fused_dense(x_BxSxD.reshape(B * S, D), params, dtype, split=not joined, dot=dot)
     return ys if joined else [y.reshape(B, S, *y.shape[1:]) for y in ys]
   assert not joined, "projections: joined needs fused"
   return [tokens_2d(nn.DenseGeneral(
-      f, use_bias=use_bias, dtype=dtype, kernel_init=dense_init(axes),
+      f, use_bias=use_bias, dtype=dtype, kernel_init=dense_init(axes), dot_general=dot,
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]), parent=module,
       name=name))(x_BxSxD) for f, axes, name in specs]
 
@@ -277,7 +293,7 @@ class Attention(nn.Module):
         self, x_BxSxD, [((H, E), ("embed", "heads", "head_dim"), "wq"),
                         ((K, E), ("embed", "kv_heads", "head_dim"), "wk"),
                         ((K, E), ("embed", "kv_heads", "head_dim"), "wv")],
-        a.qkv_bias, a.dtype, fuse_projections(a))
+        a.qkv_bias, a.dtype, fuse_projections(a), dot=dot_general(a))
     if a.qk_norm:  # Qwen3: per-head RMSNorm of q and k, before RoPE
       q_BxSxHxE = rms_norm(q_BxSxHxE, norm_param(self, "q_norm", E), a.norm_eps)
       k_BxSxKxE = rms_norm(k_BxSxKxE, norm_param(self, "k_norm", E), a.norm_eps)
@@ -304,7 +320,7 @@ class Attention(nn.Module):
         cached=cache is not None, impl=a.attention_impl, dtype=a.dtype, window=a.sliding_window,
         kv_heads_major=cache is not None)
     out_BxSxD = tokens_2d(nn.DenseGeneral(
-        a.d_model, axis=(-2, -1), use_bias=False, dtype=a.dtype,
+        a.d_model, axis=(-2, -1), use_bias=False, dtype=a.dtype, dot_general=dot_general(a),
         kernel_init=dense_init(("heads", "head_dim", "embed")), name="wo"))(out_BxSxHxE)
     return out_BxSxD, new_cache
 
@@ -332,12 +348,13 @@ class SwiGLU(nn.Module):
   def __call__(self, x_BxSxD):
     a = self.args
     specs = [((a.d_ff,), ("embed", "mlp"), "w1"), ((a.d_ff,), ("embed", "mlp"), "w3")]
-    down = nn.Dense(a.d_model, use_bias=False, dtype=a.dtype,
+    dot = dot_general(a)
+    down = nn.Dense(a.d_model, use_bias=False, dtype=a.dtype, dot_general=dot,
                     kernel_init=dense_init(("mlp", "embed")), name="w2")
     if not fuse_projections(a):
-      gate_BxSxF, up_BxSxF = projections(self, x_BxSxD, specs, False, a.dtype, False)
+      gate_BxSxF, up_BxSxF = projections(self, x_BxSxD, specs, False, a.dtype, False, dot=dot)
       return tokens_2d(down)(nn.silu(gate_BxSxF) * up_BxSxF)
-    gate_up_TxF2 = projections(self, x_BxSxD, specs, False, a.dtype, True, joined=True)
+    gate_up_TxF2 = projections(self, x_BxSxD, specs, False, a.dtype, True, joined=True, dot=dot)
     return down(silu_gate(gate_up_TxF2)).reshape(*x_BxSxD.shape[:2], a.d_model)
 
 

@@ -68,11 +68,12 @@ def targets_and_mask(tokens_BxS, segment_ids_BxS, n_future: int):
   return jnp.stack(tgts), jnp.stack(masks)
 
 
-def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT, vocab_size):
+def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT, vocab_size, dot=jax.lax.dot_general):
   """Summed NLL and summed lse^2 over the masked tokens, and the argmax, for one tile."""
   B, T, D = h_BxTxD.shape  # one token axis: XLA:CPU's fast GEMM path (see layers.tokens_2d)
-  logits_BxTxV = jnp.dot(h_BxTxD.reshape(B * T, D), unembed_DxV.astype(h_BxTxD.dtype),
-                         preferred_element_type=jnp.float32).reshape(B, T, -1)
+  logits_BxTxV = dot(h_BxTxD.reshape(B * T, D), unembed_DxV.astype(h_BxTxD.dtype),
+                     (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  logits_BxTxV = logits_BxTxV.reshape(B, T, -1)
   # On a mesh, keep the tile's rows with their batch shard: unconstrained, GSPMD all-gathered
   # the whole global tile onto every chip (33.5 GB at 7B scale, found with plan_memory).
   logits_BxTxV = sharding.constrain(logits_BxTxV, ("batch", None, "vocab"))
@@ -142,10 +143,11 @@ def mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
 
 
 def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunks: int = 1,
-             vocab_size: int | None = None, frozen_heads: int = 0):
+             vocab_size: int | None = None, frozen_heads: int = 0, dot=jax.lax.dot_general):
   """Per-head sums (nll, zsq, correct, agree, tokens; each [N]) of the memory-lean loss. The
   first `frozen_heads` heads get no gradient (optim.trainable = "heads": head 1 depends on
-  frozen params only), so their logits are never differentiated."""
+  frozen params only), so their logits are never differentiated. `dot`: the logits' product
+  (layers.dot_general: XLA's, or MKL's on one CPU device)."""
   N, B, S, D = h_NxBxSxD.shape
   V = unembed_DxV.shape[1] if vocab_size is None else vocab_size
   if V < unembed_DxV.shape[1] and layers.one_cpu_device():
@@ -159,12 +161,12 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
   tgt_NxBxS, mask_NxBxS = targets_and_mask(tokens_BxS, segment_ids_BxS, N)
 
   def tile(_, xs):
-    return None, _token_stats(xs[0], unembed_DxV, xs[1], xs[2], V)
+    return None, _token_stats(xs[0], unembed_DxV, xs[1], xs[2], V, dot)
 
   def head(_, xs):
     h_BxSxD, tgt_BxS, mask_BxS = xs
     if C == 1:
-      return None, _token_stats(h_BxSxD, unembed_DxV, tgt_BxS, mask_BxS, V)
+      return None, _token_stats(h_BxSxD, unembed_DxV, tgt_BxS, mask_BxS, V, dot)
     split = lambda a: jnp.moveaxis(a.reshape(B, C, S // C, *a.shape[2:]), 1, 0)
     _, (nll_C, zsq_C, pred_CxBxT) = jax.lax.scan(
         jax.checkpoint(tile, policy=_SAVE_NOTHING), None,
@@ -219,7 +221,8 @@ def model_sums(params, model, config, batch, frozen_heads: int = 0):
   h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
   return mtp_sums(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
                   batch.get("segment_ids"), token_chunks=config.loss.token_chunks,
-                  vocab_size=model.args.vocab_size, frozen_heads=frozen_heads)
+                  vocab_size=model.args.vocab_size, frozen_heads=frozen_heads,
+                  dot=layers.dot_general(model.args))
 
 
 def model_loss(params, model, config, batch, *, naive: bool = False):

@@ -58,6 +58,12 @@ class ModelArgs:
   # wide GEMM beats three narrow ones: docs/cpu_speed.md), off elsewhere (under a tensor-parallel
   # mesh the concatenation would move kernel shards). Same parameters either way.
   fuse_projections: str = "auto"
+  # float32 matmuls (dense layers, the loss's logits) of a program compiled for one CPU device:
+  # by Intel MKL's sgemm through an XLA FFI call ("mkl": the MKL inside PyTorch's CPU wheel,
+  # mtp_jax/cpu_gemm.py; an error where there is none) or by XLA's own dot ("xla"); "auto": mkl
+  # where it is at hand (two Xeon cores: a train step 1.04x, docs/cpu_speed.md). Other targets
+  # (a mesh, an accelerator): XLA's. Same parameters, same maths up to float32 summation order.
+  cpu_matmul: str = "auto"
   # Compute dtype (params stay float32): a name in the config, a jnp dtype in the instance
   # model.model_args builds.
   dtype: Any = "float32"

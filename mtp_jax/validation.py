@@ -12,6 +12,7 @@ from typing import Any
 import ml_collections
 
 from mtp_jax import attention
+from mtp_jax import cpu_gemm
 from mtp_jax import family_checks
 from mtp_jax import heads
 from mtp_jax.config import DTYPES, HEAD_WEIGHTS, base_config, parse_head_weights
@@ -116,6 +117,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("model.n_future", f"must be >= 1, got {m.n_future}")
   if m.fuse_projections not in ("auto", "on", "off"):
     _fail("model.fuse_projections", f"must be auto, on or off, got {m.fuse_projections!r}")
+  if m.cpu_matmul not in ("auto", "xla", "mkl"):
+    _fail("model.cpu_matmul", f"must be auto, xla or mkl, got {m.cpu_matmul!r}")
+  if m.cpu_matmul == "mkl" and not cpu_gemm.available():
+    _fail("model.cpu_matmul", f"mkl is not available here: {cpu_gemm.unavailable_reason()} "
+          f"(auto or xla are)")
   if m.scan_unroll < 0:
     _fail("model.scan_unroll", f"must be 0 (auto) or >= 1 layers per loop iteration, got "
           f"{m.scan_unroll}")

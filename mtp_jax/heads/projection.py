@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from mtp_jax.heads.base import HeadKind, Shared, register
-from mtp_jax.layers import RMSNorm, dense_init, rms_norm, tokens_2d
+from mtp_jax.layers import RMSNorm, dense_init, dot_general, rms_norm, tokens_2d
 from mtp_jax.model_args import ModelArgs
 
 class ResidualMLP(nn.Module):
@@ -19,9 +19,10 @@ class ResidualMLP(nn.Module):
     y = RMSNorm(a.norm_eps, a.dtype, name="norm")(z_BxSxD)
 
     def mlp(y_TxD):
-      y_TxF = nn.Dense(2 * a.d_model, use_bias=False, dtype=a.dtype,
+      dot = dot_general(a)
+      y_TxF = nn.Dense(2 * a.d_model, use_bias=False, dtype=a.dtype, dot_general=dot,
                        kernel_init=dense_init(("embed", "mlp")), name="up")(y_TxD)
-      return nn.Dense(a.d_model, use_bias=False, dtype=a.dtype,
+      return nn.Dense(a.d_model, use_bias=False, dtype=a.dtype, dot_general=dot,
                       kernel_init=dense_init(("mlp", "embed")), name="down")(nn.silu(y_TxF))
     return z_BxSxD + tokens_2d(mlp)(y)  # one token axis: XLA:CPU's fast weight gradient
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from mtp_jax.decoding import sampling
 from mtp_jax.heads.base import DecodeReads, HeadKind, Shared, register
-from mtp_jax.layers import Block, RMSNorm, dense_init, remat, rms_norm, tokens_2d
+from mtp_jax.layers import Block, RMSNorm, dense_init, dot_general, remat, rms_norm, tokens_2d
 from mtp_jax.model_args import ModelArgs
 
 class Depth(nn.Module):
@@ -38,7 +38,7 @@ class Depth(nn.Module):
     e = RMSNorm(a.norm_eps, a.dtype, name="enorm")(emb_BxSxD)
     h = RMSNorm(a.norm_eps, a.dtype, name="hnorm")(h_prev_BxSxD)
     cat = [e, h] if a.seq_concat == "emb_first" else [h, e]
-    eh_proj = nn.Dense(a.d_model, use_bias=False, dtype=a.dtype,
+    eh_proj = nn.Dense(a.d_model, use_bias=False, dtype=a.dtype, dot_general=dot_general(a),
                        kernel_init=dense_init(("concat", "embed")), name="eh_proj")
     x_BxSxD = tokens_2d(eh_proj)(jnp.concatenate(cat, axis=-1))  # one token axis (layers)
     h_BxSxD, new_cache = remat(Block, a.remat_policy)(a, name="block")(

@@ -13,9 +13,10 @@ source and jaxlib with the C++ compiler at hand (`$CXX`, else c++) into ~/.cache
     y = cpu_gemm.matmul(x_MxK, w_KxN)            # differentiable: its VJP is two more sgemms
     nn.Dense(..., dot_general=cpu_gemm.dot_general)   # flax: 2-D-able float32 contractions
 
-`model.cpu_matmul` picks it (layers.dot_general): "auto" takes it for float32 models compiled
-for one CPU device where it is available, and only for products of MIN_ROWS rows or more (a
-decoding step's few rows stay with XLA). Same maths as XLA's dot up to float32 summation order.
+`model.cpu_matmul` picks it (layers.dot_general): "auto" takes it for programs compiled for one
+CPU device of an Intel CPU where it is available, and only for float32 products of MIN_ROWS rows
+or more (a decoding step's few rows stay with XLA). Same maths as XLA's dot up to float32
+summation order.
 """
 
 from __future__ import annotations
@@ -107,6 +108,17 @@ def unavailable_reason() -> str | None:
 
 def available() -> bool:
   return unavailable_reason() is None
+
+
+@functools.cache
+def intel_cpu() -> bool:
+  """Whether this is an Intel CPU (/proc/cpuinfo): where "auto" takes MKL. Measured on a Xeon;
+  MKL's speed on other vendors' CPUs was not, and XLA's dot already beats PyTorch there."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      return "GenuineIntel" in f.read(1 << 16)
+  except OSError:
+    return False
 
 
 def _sgemm(a, b, trans_a: bool = False, trans_b: bool = False):

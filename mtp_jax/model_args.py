@@ -61,8 +61,10 @@ class ModelArgs:
   # float32 matmuls (dense layers, the loss's logits) of a program compiled for one CPU device:
   # by Intel MKL's sgemm through an XLA FFI call ("mkl": the MKL inside PyTorch's CPU wheel,
   # mtp_jax/cpu_gemm.py; an error where there is none) or by XLA's own dot ("xla"); "auto": mkl
-  # where it is at hand (two Xeon cores: a train step 1.04x, docs/cpu_speed.md). Other targets
-  # (a mesh, an accelerator): XLA's. Same parameters, same maths up to float32 summation order.
+  # on Intel CPUs where it is at hand (two Xeon cores: a train step 1.04x, docs/cpu_speed.md;
+  # AMD CPUs, unmeasured with it, keep XLA's dot, already faster than PyTorch there). Other
+  # targets (a mesh, an accelerator): XLA's. Same parameters, same maths up to float32 summation
+  # order.
   cpu_matmul: str = "auto"
   # Compute dtype (params stay float32): a name in the config, a jnp dtype in the instance
   # model.model_args builds.

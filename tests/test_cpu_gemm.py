@@ -92,13 +92,14 @@ def _config(make_config, kind, cpu_matmul):
 @pytest.mark.parametrize("kind", ["parallel", "projection", "sequential"])
 def test_loss_and_gradients_match_xla(make_config, kind):
   """The model's loss and every gradient with MKL's matmuls (trunk, the head kind's own dense
-  layers, the logits) against XLA's dot; "auto" resolves to MKL on this one CPU device and to
-  XLA under a multi-device mesh."""
+  layers, the logits) against XLA's dot; "auto" resolves to MKL on this one Intel CPU device, to
+  XLA under a multi-device mesh (and on a CPU not Intel's)."""
   from mtp_jax import loss as loss_lib
   models = {m: build_model(_config(make_config, kind, m)) for m in ("xla", "mkl")}
   assert layers.dot_general(models["mkl"].args) is cpu_gemm.dot_general
   auto = build_model(_config(make_config, kind, "auto")).args
-  assert layers.dot_general(auto) is cpu_gemm.dot_general
+  assert layers.dot_general(auto) is (
+      cpu_gemm.dot_general if cpu_gemm.intel_cpu() else jax.lax.dot_general)
   mesh = AbstractMesh((2, 1, 1), ("data", "fsdp", "tensor"), abstract_device=AbstractDevice(
       device_kind="cpu", num_cores=1, platform="cpu"))
   with use_abstract_mesh(mesh):
@@ -131,3 +132,15 @@ def test_validation_names_the_field(make_config, monkeypatch):
   c.model.cpu_matmul = "auto"
   validation.validate(c)  # auto falls back to XLA's dot
   assert layers.dot_general(build_model(c).args) is jax.lax.dot_general
+
+
+def test_profiles_class_it_as_a_library_dot():
+  """experiments/hlo_profile puts the handler's custom call with the dots (profile_train's
+  `dot (library)`), not with the elementwise fusions."""
+  from experiments import hlo_profile
+  x, w = _rand(300, 16), _rand(16, 8)
+  text = jax.jit(cpu_gemm.matmul).lower(x, w).compile().as_text()
+  comps = hlo_profile.computations(text)
+  ops = [op for lines in comps.values() for op in hlo_profile.classify(lines, comps).values()
+         if op["opcode"] == "custom-call"]
+  assert [(op["class"], op["library"]) for op in ops] == [("dot", True)]

@@ -46,12 +46,15 @@ def fuse_projections(a: ModelArgs) -> bool:
 def dot_general(a: ModelArgs):
   """model.cpu_matmul resolved to the dot_general the dense layers and the loss take, for a
   trace compiled for one CPU device: `cpu_gemm.dot_general` (MKL's sgemm for float32 products
-  of many rows) for "mkl", and for "auto" on an Intel CPU where MKL is at hand; lax.dot_general
-  for "xla" and on every other target (a mesh, an accelerator). Static: called while tracing."""
+  of many rows) for "mkl", and for "auto" on an Intel CPU where MKL is at hand, unless a remat
+  policy saves dots (it would not know MKL's custom call for one, and recompute it);
+  lax.dot_general for "xla" and on every other target (a mesh, an accelerator). Static: called
+  while tracing."""
   if a.cpu_matmul == "xla" or not one_cpu_device():
     return lax.dot_general
   if a.cpu_matmul == "auto":
-    mkl = cpu_gemm.intel_cpu() and cpu_gemm.available()
+    mkl = (cpu_gemm.intel_cpu() and not a.remat_policy.startswith("dots")
+           and cpu_gemm.available())
     return cpu_gemm.dot_general if mkl else lax.dot_general
   if not cpu_gemm.available():  # validation says so first; a config built past it lands here
     raise ValueError(f"model.cpu_matmul: mkl is not available here: "

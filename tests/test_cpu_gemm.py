@@ -104,6 +104,9 @@ def test_loss_and_gradients_match_xla(make_config, kind):
       device_kind="cpu", num_cores=1, platform="cpu"))
   with use_abstract_mesh(mesh):
     assert layers.dot_general(auto) is jax.lax.dot_general
+  dots_remat = _config(make_config, kind, "auto")
+  dots_remat.model.remat_policy = "dots_saveable"  # would recompute the custom call: XLA's dot
+  assert layers.dot_general(build_model(dots_remat).args) is jax.lax.dot_general
   c = _config(make_config, kind, "xla")
   params = jax.jit(lambda k: init_params(models["xla"], k))(jax.random.PRNGKey(0))
   tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 64), 0, c.model.vocab_size)
@@ -144,3 +147,20 @@ def test_profiles_class_it_as_a_library_dot():
   ops = [op for lines in comps.values() for op in hlo_profile.classify(lines, comps).values()
          if op["opcode"] == "custom-call"]
   assert [(op["class"], op["library"]) for op in ops] == [("dot", True)]
+
+
+def test_remat_gives_the_same_gradients(make_config):
+  """Under nn.remat (full, and a dots-saving policy asked for with "mkl") the custom VJP is
+  recomputed, not changed."""
+  from mtp_jax import loss as loss_lib
+  grads = {}
+  batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (4, 64), 0, 61)}
+  for policy in ("none", "full", "dots_saveable"):
+    c = _config(make_config, "parallel", "mkl")
+    c.model.remat_policy = policy
+    model = build_model(c)
+    params = jax.jit(lambda k, model=model: init_params(model, k))(jax.random.PRNGKey(0))
+    grads[policy] = jax.jit(jax.grad(
+        lambda p, model=model, c=c: loss_lib.model_loss(p, model, c, batch)[0]))(params)
+  for policy in ("full", "dots_saveable"):
+    jax.tree.map(_close, grads[policy], grads["none"])

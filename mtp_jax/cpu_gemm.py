@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mtp_jax import runtime
+
 TARGET = "mtp_jax_sgemm"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_gemm.cc")
-
-
 MIN_ROWS = 256  # dot_general: fewer rows than this (decoding's batch x window) stay with XLA
 
 
@@ -69,11 +69,12 @@ def _build() -> str:
   import jaxlib
   with open(SOURCE, "rb") as f:
     key = hashlib.sha256(f.read() + jaxlib.__version__.encode()).hexdigest()[:16]
-  out = os.path.join(_cache_dir(), f"cpu_gemm_{key}.so")
+  folder = _cache_dir()
+  out = os.path.join(folder, f"cpu_gemm_{key}.so")
   if os.path.exists(out):
     return out
-  os.makedirs(_cache_dir(), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
   os.close(fd)
   try:
     subprocess.run([os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
@@ -110,15 +111,11 @@ def available() -> bool:
   return unavailable_reason() is None
 
 
-@functools.cache
 def intel_cpu() -> bool:
-  """Whether this is an Intel CPU (/proc/cpuinfo): where "auto" takes MKL. Measured on a Xeon;
-  MKL's speed on other vendors' CPUs was not, and XLA's dot already beats PyTorch there."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      return "GenuineIntel" in f.read(1 << 16)
-  except OSError:
-    return False
+  """Whether this is an Intel CPU (runtime.cpu_ids: /proc/cpuinfo): where "auto" takes MKL.
+  Measured on a Xeon; MKL's speed on other vendors' CPUs was not, and XLA's dot already beats
+  PyTorch there."""
+  return runtime.cpu_ids()[0] == "GenuineIntel"
 
 
 def _sgemm(a, b, trans_a: bool = False, trans_b: bool = False):

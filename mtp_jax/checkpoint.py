@@ -4,8 +4,10 @@ One `orbax.checkpoint.CheckpointManager` over `<workdir>/checkpoints`, one folde
 
   <checkpoints>/<step>/state/...            the state pytree (orbax StandardSave, OCDBT)
   <checkpoints>/<step>/data_iter/process_<i>-of-<n>.json
-                                            grain's own orbax handler: one file per process,
-                                            so every host resumes its own shard of the input
+                                            grain's own orbax handler, a file per process; the
+                                            states are all the same (every process iterates the
+                                            global batch), so a step restores on any process
+                                            count (`_AnyProcessCountHandler`)
   <checkpoints>/corrupt-<step>-<n>/         a step that failed to restore, moved aside (never
                                             deleted: a person may still want to look at it)
 
@@ -26,7 +28,9 @@ Why the checks. Measured with orbax-checkpoint 0.12.8 (docs/DESIGN.md, "Traps fo
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import logging
 import os
 from typing import Any
@@ -46,6 +50,35 @@ CORRUPT_PREFIX = "corrupt-"
 
 class _Corrupt(Exception):
   """A step folder that cannot give back what was saved; the message says why."""
+
+
+class _AnyProcessCountHandler(grain_checkpoint.CheckpointHandler):
+  """grain's handler, restoring on any process count. grain reads the file of this process's
+  index and count, which a step saved by another number of processes lacks; the pipeline's
+  iterator state is the same in every process, so process 0's file is read in its place."""
+
+  def restore(self, directory, item=None, args=None):
+    index, count = jax.process_index(), jax.process_count()
+    if not (epath.Path(directory) / f"process_{index}-of-{count}.json").exists():
+      saved = sorted(epath.Path(directory).glob("process_0-of-*.json"))
+      if saved:
+        item = item or args.item
+        item.set_state(json.loads(saved[0].read_text()))
+        item.start_prefetch()
+        return item
+    return super().restore(directory, item, args)
+
+
+@ocp.args.register_with_handler(_AnyProcessCountHandler, for_save=True)
+@dataclasses.dataclass
+class _IterSave(ocp.args.CheckpointArgs):
+  item: Any
+
+
+@ocp.args.register_with_handler(_AnyProcessCountHandler, for_restore=True)
+@dataclasses.dataclass
+class _IterRestore(ocp.args.CheckpointArgs):
+  item: Any
 
 
 class Checkpointer:
@@ -77,7 +110,7 @@ class Checkpointer:
         options=options,
         item_handlers={
             STATE: ocp.StandardCheckpointHandler(),
-            DATA_ITER: grain_checkpoint.CheckpointHandler(),
+            DATA_ITER: _AnyProcessCountHandler(),
         },
     )
 
@@ -106,7 +139,7 @@ class Checkpointer:
       return False
     items = {STATE: ocp.args.StandardSave(state)}
     if data_iter is not None:
-      items[DATA_ITER] = grain_checkpoint.CheckpointSave(data_iter)
+      items[DATA_ITER] = _IterSave(data_iter)
     saved = self._mgr.save(step, args=ocp.args.Composite(**items), force=force)
     if saved:
       self._pending_step = step
@@ -220,8 +253,7 @@ class Checkpointer:
     if data_iter is not None:
       try:
         self._mgr.restore(
-            step, args=ocp.args.Composite(**{DATA_ITER: grain_checkpoint.CheckpointRestore(
-                data_iter)}))
+            step, args=ocp.args.Composite(**{DATA_ITER: _IterRestore(data_iter)}))
       except Exception as e:
         raise _Corrupt(f"it has no readable data-iterator state: {_one_line(e)}") from e
     return _place(abstract_state, state)

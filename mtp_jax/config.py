@@ -115,9 +115,17 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1  # -1 takes the devices the other axes leave
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
-  # jax.distributed.initialize(): "auto" on TPU pods, Slurm (SLURM_NTASKS > 1) or when
-  # JAX_COORDINATOR_ADDRESS is set; "on" always; "off" never.
+  # jax.distributed.initialize(): "auto" on TPU pods, Slurm (SLURM_NTASKS > 1), Open MPI, or
+  # when a coordinator address is given; "on" always; "off" never (sharding.py).
   c.mesh.distributed = "auto"
+  # HOST:PORT of process 0, the process count and this process's id; empty / 0 / -1 read
+  # JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, else JAX finds them (Slurm, MPI,
+  # Cloud TPU). A launcher sets them per process: --config.mesh.process_id=$RANK.
+  c.mesh.coordinator_address = ""
+  c.mesh.num_processes = 0
+  c.mesh.process_id = -1
+  # Seconds to wait for every process at start-up, and for a peer's heartbeat during the run.
+  c.mesh.distributed_timeout_s = 300
   # Logical axis name -> mesh axis (or None). Only sharding.py reads mesh names.
   c.mesh.rules = (
       ("batch", ("data", "fsdp")),

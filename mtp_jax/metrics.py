@@ -96,16 +96,19 @@ class MetricsWriter:
   """Console, metrics.jsonl and TensorBoard behind one `write(step, kind, values)`."""
 
   def __init__(self, workdir: str, *, total_steps: int, tokens_per_step: int, out=None,
-               mfu: Callable[[float], float | None] | None = None):
+               mfu: Callable[[float], float | None] | None = None, primary: bool = True):
     """`mfu`: tokens/s -> model FLOPs utilisation (flops.mfu with this run's FLOPs per token and
-    peak); train values then carry `mfu` too (console, metrics.jsonl, TensorBoard)."""
+    peak); train values then carry `mfu` too (console, metrics.jsonl, TensorBoard).
+    `primary=False` (every process of a multi-process run but process 0) writes nothing and
+    prints nothing, and still keeps `last`."""
     self.mfu = mfu
+    self.primary = primary
     self.total_steps = total_steps
     self.tokens_per_step = tokens_per_step
     self.last: dict[str, dict[str, float]] = {kind: {} for kind in KINDS}
     self._out = out
-    self._tb = summary_writer_class()(workdir)
-    self._jsonl = open(os.path.join(workdir, workdir_lib.METRICS), "a")
+    self._tb = summary_writer_class()(workdir) if primary else None
+    self._jsonl = open(os.path.join(workdir, workdir_lib.METRICS), "a") if primary else None
 
   def write(self, step: int, kind: str, values: dict[str, Any]):
     """`values` of kind "train" carry `tokens_per_sec` (for the console's ETA)."""
@@ -116,11 +119,13 @@ class MetricsWriter:
       if mfu is not None:
         values = {**values, "mfu": mfu}
     flat = head_summary(values, prefix=f"{kind}/")
+    self.last[kind] = flat
+    if not self.primary:
+      return
     for k, v in flat.items():
       self._tb.add_scalar(k, v, step)
     self._jsonl.write(json.dumps({"step": step, **flat}) + "\n")
     self._jsonl.flush()
-    self.last[kind] = flat
     line = self._train_line(step, values) if kind == "train" else self._eval_line(step, values)
     print(line, file=self._out or sys.stdout, flush=True)
 
@@ -139,5 +144,6 @@ class MetricsWriter:
             f"[{_fmt_heads(m['head_acc'])}] agree [{_fmt_heads(m['head_agree'])}]")
 
   def close(self):
-    self._jsonl.close()
-    self._tb.close()
+    if self.primary:
+      self._jsonl.close()
+      self._tb.close()

@@ -239,6 +239,9 @@ def make_eval_step(model: MTPModel, config):
 def params_sha256(params) -> str:
   """sha256 over every parameter's path and bytes, in a fixed (sorted-path) order."""
   h = hashlib.sha256()
+  if jax.process_count() > 1:  # every process gets every value (a collective: all must call)
+    from jax.experimental import multihost_utils
+    params = multihost_utils.process_allgather(params, tiled=True)
   leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
   for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
     h.update(jax.tree_util.keystr(path).encode())

@@ -45,20 +45,33 @@ class NonFiniteError(RuntimeError):
 
 
 class _StopFlag:
-  """SIGTERM / SIGINT set a flag; the loop saves and exits at the next step boundary (orbax's own
-  preemption check needs jax.distributed and does nothing in a single process)."""
+  """SIGTERM / SIGINT set a flag; the loop saves and exits at the next step boundary.
+
+  With several processes a signal reaches each at its own step, and all must save the same one:
+  there JAX's preemption sync manager (started by jax.distributed, SIGTERM) picks the step every
+  process stops at (`stop_at_step`); this class leaves the signals alone there (Ctrl-C ends a
+  process as Python does, and JAX then ends its peers)."""
 
   def __init__(self):
     self.signum = None
     self._old = {}
+    self._multi = jax.process_count() > 1
 
   def __enter__(self):
-    for s in (signal.SIGTERM, signal.SIGINT):
+    for s in () if self._multi else (signal.SIGTERM, signal.SIGINT):
       self._old[s] = signal.signal(s, self._set)
     return self
 
   def _set(self, signum, _frame):
     self.signum = signum
+
+  def stop_at_step(self, step: int) -> bool:
+    """Whether to save and stop after `step`; every process of a run gets the same answer."""
+    if self._multi:
+      from jax.experimental import multihost_utils
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.signum = signal.SIGTERM
+    return self.signum is not None
 
   def __exit__(self, *exc):
     for s, old in self._old.items():
@@ -106,12 +119,17 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs (or resumes) training to config.train.steps; returns the summary it writes."""
   t_start = time.time()
   validation.resolve(config)  # what it runs and saves in config.json: presets expanded
-  shard_lib.maybe_initialize_distributed(config.mesh.distributed)  # before process_index is read
+  shard_lib.maybe_initialize_distributed(config.mesh)  # before anything touches a device
+  # Process 0 alone writes the run's files and prints; every process writes its own rows' log.
+  primary, process, n_processes = jax.process_index() == 0, jax.process_index(), \
+      jax.process_count()
   train_it = pipeline.make_iterator(config, "train")
   next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now, not at eval
   workdir_lib.check_resume(config, workdir)
   os.makedirs(workdir, exist_ok=True)
-  workdir_lib.write_config(config, workdir)
+  shard_lib.sync_processes("mtp_jax_train_checked")  # all have read config.json before it changes
+  if primary:
+    workdir_lib.write_config(config, workdir)
 
   mesh = shard_lib.make_mesh(config)
   shard_lib.check_batch(config, mesh)
@@ -131,10 +149,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   n_params = param_count(state.params)
   how = "resuming at" if restored else "starting" + (
       f" from {config.train.init_from}" if config.train.init_from else "")
-  print(f"{how} step {start}/{steps}: "
-        f"{n_params:,} params, {config.model.heads.kind} heads, n_future "
-        f"{config.model.n_future}, {len(jax.devices())} {jax.devices()[0].platform} device(s)",
-        flush=True)
+  say = (lambda line: print(line, flush=True)) if primary else (lambda line: None)
+  say(f"{how} step {start}/{steps}: "
+      f"{n_params:,} params, {config.model.heads.kind} heads, n_future "
+      f"{config.model.n_future}, {len(jax.devices())} {jax.devices()[0].platform} device(s)"
+      + (f" in {n_processes} processes" if n_processes > 1 else ""))
 
   eval_step = jax.jit(steps_lib.make_eval_step(model, config))
   tokens_per_step = config.train.batch_size * config.data.seq_len
@@ -147,8 +166,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   mfu_of = lambda tps: (flops_lib.mfu(tps, flops_per_token, peak_flops, jax.device_count())
                         if flops_per_token else None)
   writer = MetricsWriter(workdir, total_steps=steps, tokens_per_step=tokens_per_step,
-                         mfu=mfu_of)
-  batches_f = open(workdir_lib.batches_path(workdir), "a")
+                         mfu=mfu_of, primary=primary)
+  batches_f = open(workdir_lib.batches_path(workdir), "a") if primary else None
+  rows = shard_lib.local_rows(config.train.batch_size, batch_sh)
+  rows_f = (open(workdir_lib.process_batches_path(workdir, process, n_processes), "a")
+            if n_processes > 1 else None)
   pending = None
   t_log, step_log, t_first = time.time(), start, None
 
@@ -170,8 +192,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   try:
     with _StopFlag() as stop, shard_lib.activation_rules(mesh, config):
       for step in range(start, end):
-        batch = next(train_it)
-        batches_f.write(f"{step} {steps_lib.batches_sha256([batch])}\n")
+        batch = next(train_it)  # the global batch: the same in every process
+        if batches_f:
+          batches_f.write(f"{step} {steps_lib.batches_sha256([batch])}\n")
+        if rows_f:
+          mine = {k: np.concatenate([v[a:b] for a, b in rows]) for k, v in batch.items()}
+          rows_f.write(f"{step} {steps_lib.batches_sha256([mine])} rows "
+                       + ",".join(f"{a}:{b}" for a, b in rows) + "\n")
         state, metrics = train_step(state, shard_lib.shard_batch(batch, batch_sh))
         if pending is not None:
           handle(*pending)  # metrics read one step late: no host sync on the step just issued
@@ -183,20 +210,23 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
           ev = validation_metrics(eval_step, state.params, config, batch_sh)
           if ev:
             writer.write(done, "eval", ev)
-        if done % config.train.checkpoint_every == 0 or done == end or stop.signum:
+        stopping = stop.stop_at_step(done)
+        if done % config.train.checkpoint_every == 0 or done == end or stopping:
           ckpt.save(done, state, train_it, force=True)
-        if stop.signum:
+        if stopping:
           handle(*pending)
           pending = None
           ckpt.wait()
-          print(f"signal {stop.signum}: saved step {done}, exiting", flush=True)
+          say(f"signal {stop.signum}: saved step {done}, exiting")
           break
       if pending is not None:
         handle(*pending)
     ckpt.wait()
   finally:  # an error still commits the saves in flight and flushes the logs
     ckpt.close()
-    batches_f.close()
+    for f in (batches_f, rows_f):
+      if f:
+        f.close()
     writer.close()
 
   step = int(state.step)
@@ -224,8 +254,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   }
   trained = step > start
   if not trained:
-    print(f"nothing to train: already at step {step} (this run ends at {end}); summary.json "
-          "keeps the figures of the steps that were trained", flush=True)
+    say(f"nothing to train: already at step {step} (this run ends at {end}); summary.json "
+        "keeps the figures of the steps that were trained")
+  if not primary:
+    return summary
   return write_summary(workdir_lib.summary_path(workdir), summary, trained=trained)
 
 
@@ -244,7 +276,8 @@ def cli_main(flags_) -> int:
   except RuntimeError as e:  # a checkpoint that cannot be saved or restored
     print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
     return 4
-  print(json.dumps({k: summary[k] for k in ("step", "params_sha256", "tokens_per_sec")}))
+  if jax.process_index() == 0:
+    print(json.dumps({k: summary[k] for k in ("step", "params_sha256", "tokens_per_sec")}))
   return 0
 
 

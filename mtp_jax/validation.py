@@ -171,6 +171,18 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if o.max_consecutive_nonfinite < 1:
     _fail("optim.max_consecutive_nonfinite", f"must be >= 1, got {o.max_consecutive_nonfinite}")
   _choice(c, "mesh.distributed", DISTRIBUTED_MODES)
+  if c.mesh.num_processes < 0:
+    _fail("mesh.num_processes", f"must be >= 1 (0: from JAX_NUM_PROCESSES or the launcher), "
+          f"got {c.mesh.num_processes}")
+  if c.mesh.process_id < -1 or (c.mesh.num_processes and
+                                c.mesh.process_id >= c.mesh.num_processes):
+    bound = (f"in [0, mesh.num_processes = {c.mesh.num_processes})" if c.mesh.num_processes
+             else ">= 0")
+    _fail("mesh.process_id", f"must be {bound} (-1: from JAX_PROCESS_ID or the launcher), got "
+          f"{c.mesh.process_id}")
+  if c.mesh.distributed_timeout_s < 1:
+    _fail("mesh.distributed_timeout_s", f"must be >= 1 second, got "
+          f"{c.mesh.distributed_timeout_s}")
   for axis in ("data", "fsdp", "tensor"):
     v = getattr(c.mesh, axis)
     if v != -1 and v < 1:

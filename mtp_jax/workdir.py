@@ -5,7 +5,10 @@ converters read:
     DIR/checkpoints/     orbax steps (CHECKPOINTS): a run's train state and data-iterator
                          state, or an import's params alone (mtp_jax.convert)
     DIR/summary.json     a run's final figures, params_sha256 among them (SUMMARY)
-    DIR/batches.log      one hash per step of the batches it trained on (BATCHES)
+    DIR/batches.log      one hash per step of the (global) batch it trained on (BATCHES)
+    DIR/batches.process-<p>-of-<P>.log
+                         a multi-process run's: per step, the hash of the rows process p
+                         handed its devices, and which rows (`process_batches_path`)
     DIR/metrics.jsonl    every logged step (METRICS; metrics.MetricsWriter)
     DIR/tokenizer.model  an import's SentencePiece model, copied in (SPM_MODEL)
 
@@ -47,6 +50,10 @@ def summary_path(workdir: str) -> str:
 
 def batches_path(workdir: str) -> str:
   return os.path.join(workdir, BATCHES)
+
+
+def process_batches_path(workdir: str, process: int, count: int) -> str:
+  return os.path.join(workdir, f"batches.process-{process}-of-{count}.log")
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:

@@ -329,6 +329,13 @@ def check_byte_vocab(results):
   print("decode vocab259", results["decode"]["sequential/2,2,2/vocab259"], flush=True)
 
 
+def _mesh_fields(**fields):
+  mesh = make_config().mesh
+  for k, v in fields.items():
+    setattr(mesh, k, v)
+  return mesh
+
+
 def check_errors(results):
   errs = {}
   for name, fn in {
@@ -338,14 +345,16 @@ def check_errors(results):
       "vocab_61_on_tensor_2": lambda: _shardings(_vocab61()),
       "batch_12_on_8_rows": lambda: shard_lib.check_batch(
           _batch12(), shard_lib.make_mesh(make_config(mesh=(8, 1, 1)))),
-      "distributed_bad_mode": lambda: shard_lib.maybe_initialize_distributed("maybe"),
+      "distributed_bad_mode": lambda: shard_lib.maybe_initialize_distributed(
+          _mesh_fields(distributed="maybe")),
   }.items():
     try:
       fn()
       errs[name] = None
     except ValueError as e:
       errs[name] = str(e)
-  errs["distributed_off_returns"] = shard_lib.maybe_initialize_distributed("off")
+  errs["distributed_off_returns"] = shard_lib.maybe_initialize_distributed(
+      _mesh_fields(distributed="off"))
   results["errors"] = errs
   print("errors", errs, flush=True)
 

@@ -44,7 +44,7 @@ def test_registered_kind_reaches_the_packer(listed_kind, monkeypatch):
   calls = []
   get = corpus_lib.get
   monkeypatch.setattr(corpus_lib, "get", lambda d: calls.append(d.corpus) or get(d))
-  batch = next(pipeline.make_iterator(c, "validation", process_index=0, process_count=1))
+  batch = next(pipeline.make_iterator(c, "validation"))
   assert calls == ["listed"]  # one look-up per dataset
   eos = 258  # byte tokenizer: ids are the bytes, specials above
   assert batch["tokens"][0].tolist() == [97, 98, eos, 99, 100, 101, eos, 102]

@@ -148,8 +148,11 @@ def test_mesh_must_match_devices_here(make_config):
     shard_lib.mesh_shape(c, 8)
 
 
-def test_distributed_off_does_nothing():
-  assert shard_lib.maybe_initialize_distributed("off") is False
+def test_distributed_off_does_nothing(make_config):
+  c = make_config()
+  c.mesh.distributed = "off"
+  c.mesh.coordinator_address, c.mesh.num_processes, c.mesh.process_id = "h:1", 2, 1
+  assert shard_lib.maybe_initialize_distributed(c.mesh) is False
   assert not jax.distributed.is_initialized()
 
 

@@ -145,7 +145,7 @@ def test_ood_split_has_more_operations(data_dir):
 def test_builds_through_the_pipeline_whole_examples(task, data_dir):
   c = _config(task, data_dir)
   assert _texts(c, "train") == tasks.generate_splits(task, tasks.task_params(c.data))["train"]
-  it = pipeline.make_iterator(c, "train", process_index=0, process_count=1)
+  it = pipeline.make_iterator(c, "train")
   generated = set(_texts(c, "train"))
   for _ in range(5):
     batch = next(it)
@@ -155,7 +155,7 @@ def test_builds_through_the_pipeline_whole_examples(task, data_dir):
         doc_T = tokens_S[seg_S == s]
         assert doc_T[-1] == BYTE.eos_id and BYTE.decode(doc_T) in generated
   for split in tasks.SPLITS[task][1:]:
-    batches = list(pipeline.make_iterator(c, split, process_index=0, process_count=1))
+    batches = list(pipeline.make_iterator(c, split))
     assert sum(int((b["tokens"] == BYTE.eos_id).sum()) for b in batches) == 60
   with pytest.raises(ValueError, match="split: got 'test'"):
     corpus.load_source(c.data, "test")

@@ -1,6 +1,6 @@
 """The grain input pipeline: documents -> tokens -> packed rows -> batches, checkpointable.
 
-  source[process_index::process_count]      this host's documents (ArrayRecord, random access:
+  source                                    the split's documents (ArrayRecord, random access:
                                             text records, or token records for array_record),
                                             opened by the data.corpus kind (corpus.py)
   -> shuffle(data.shuffle_seed), repeat     train: a new order every epoch, from the seed
@@ -10,7 +10,8 @@
                                             (data.whole_docs: a document that fits in a row
                                             is never cut)
   -> window shuffle                         train only: rows of one long file spread over batches
-  -> batch                                  {"tokens": int32[B, S], "segment_ids": int32[B, S]}
+  -> batch                                  {"tokens": int32[B, S], "segment_ids": int32[B, S]},
+                                            B = train.batch_size, the global batch
 
 Packing is concatenate-then-split: a document longer than a row continues in the next one, and
 every piece is its own segment (ids 1, 2, ... within a row, 0 for padding, whose tokens are
@@ -23,10 +24,13 @@ documents longer than a row are still cut.
 The iterator is grain's `DatasetIterator`: `get_state()` is a small JSON-able dict (grain's orbax
 handler stores it as JSON), and `set_state()` resumes on exactly the batch that was next.
 
-Multi-host: process p of P reads documents p, p + P, p + 2P, ... of the split (a deterministic
-split by index, any corpus) and shuffles its own part from the same seed; its iterator state is
-its own, and the checkpointer saves one per process (`data_iter/process_<p>-of-<P>.json`), so a
-resume on the same process count continues every host exactly where it stopped.
+Multi-host: every process builds this same pipeline and gets the same global batch, a
+function of the step alone; `sharding.shard_batch` then hands each process's devices their own
+rows of it. So 1, 2 or N processes train on identical batches (batches.log), and the iterator
+state, the same on every process, restores on any process count (checkpoint.py). The price is
+that each host packs the whole global batch, not 1/P of it: a few MB of int32 a step and the
+tokenizer's time for its tokens, small beside a step of a model worth a pod. Pre-tokenized
+corpora (data.corpus=array_record) make it a read.
 """
 
 from __future__ import annotations
@@ -166,24 +170,12 @@ class _StackRows:
 
 
 def make_dataset(config, split: str, *, batch_size: int | None = None,
-                 process_index: int | None = None, process_count: int | None = None,
                  repeat: bool | None = None, add_bos: bool = False) -> grain.IterDataset:
   """The grain dataset behind `make_iterator` (same arguments); iterate it for a fresh iterator."""
   data = config.data
   kind = corpus.get(data)  # the one look-up of data.corpus: the kind opens the documents
   kind.check_split(split)
-  if process_index is None or process_count is None:
-    import jax
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
-  if not 0 <= process_index < process_count:
-    raise ValueError(f"process_index: must be in [0, process_count={process_count}), got "
-                     f"{process_index}")
-  if batch_size is None:
-    if config.train.batch_size % process_count:
-      raise ValueError(f"config.train.batch_size: must be divisible by the process count "
-                       f"({process_count}), got {config.train.batch_size}")
-    batch_size = config.train.batch_size // process_count
+  batch_size = config.train.batch_size if batch_size is None else batch_size
   if batch_size < 1:
     raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
   if data.seq_len < 1:
@@ -191,10 +183,9 @@ def make_dataset(config, split: str, *, batch_size: int | None = None,
 
   tokenizer = tokenizers.get_tokenizer(data)
   source, to_ids = kind.documents(data, split, tokenizer, add_bos)
-  docs = grain.MapDataset.source(source)[process_index::process_count]
+  docs = grain.MapDataset.source(source)
   if not len(docs):
-    raise ValueError(f"config.data.corpus: the {split} split has {len(source)} documents, none "
-                     f"left for process {process_index} of {process_count}")
+    raise ValueError(f"config.data.corpus: the {split} split has no documents")
   train = split == "train"
   repeat = train if repeat is None else repeat
   if train:
@@ -220,14 +211,13 @@ def make_dataset(config, split: str, *, batch_size: int | None = None,
 
 
 def make_iterator(config, split: str, *, batch_size: int | None = None,
-                  process_index: int | None = None, process_count: int | None = None,
                   repeat: bool | None = None, add_bos: bool = False) -> grain.DatasetIterator:
   """Batches {"tokens": int32[B, S], "segment_ids": int32[B, S]} of `split`, S = data.seq_len.
 
-  B = batch_size, else train.batch_size // process_count (each host reads its own shard of
-  documents). The train split is shuffled from data.shuffle_seed and repeats forever; validation
+  B = batch_size, else train.batch_size: the global batch, the same in every process. The train
+  split is shuffled from data.shuffle_seed and repeats forever; validation
   is in file order and makes one pass (its last batch padded to B) unless `repeat`. Deterministic:
   the same config gives the same batches. Builds the dataset on first use.
   """
-  return iter(make_dataset(config, split, batch_size=batch_size, process_index=process_index,
-                           process_count=process_count, repeat=repeat, add_bos=add_bos))
+  return iter(make_dataset(config, split, batch_size=batch_size, repeat=repeat,
+                           add_bos=add_bos))

@@ -33,6 +33,7 @@ import numpy as np
 from absl import flags, logging
 
 from mtp_jax import cli
+from mtp_jax import sharding as shard_lib
 from mtp_jax.evaluation import code_tasks
 from mtp_jax.decoding import sampling
 from mtp_jax.evaluation import sandbox
@@ -354,6 +355,7 @@ def main(argv=None) -> int:
     argv = ["--help"]
   try:
     fv = cli.parse(argv, define_flags, prog="python -m mtp_jax.evaluate", usage=__doc__)
+    shard_lib.refuse_multiprocess("python -m mtp_jax.evaluate")
     opts = check_flags(fv)
     refusal = sandbox.check_confinement(opts["allow_unconfined"])
     if refusal:

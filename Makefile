@@ -10,7 +10,7 @@ DEMO_PROMPTS := $(wildcard experiments/prompts/*.txt)
 TPU_VENV := .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed
 
-.PHONY: install lint test test-tpu demo cpu-bench clean
+.PHONY: install lint test test-tpu test-slurm demo cpu-bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,8 +37,10 @@ lint: install
 	$(BIN)/ruff check .
 
 test: lint $(TPU_STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests --ignore=tests/tpu
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests --ignore=tests/tpu \
+	  --ignore=tests/slurm
 	$(MAKE) test-tpu
+	$(MAKE) test-slurm
 
 # XLA:TPU ahead of time on this host (tests/tpu: the train step with splash attention compiled
 # for a v5e 2x2 slice): libtpu from PyPI ("jax[tpu]", the tpu extra) in a venv of its own, since
@@ -51,6 +53,14 @@ $(TPU_STAMP): setup.py
 
 test-tpu: $(TPU_STAMP)
 	$(TPU_VENV)/bin/python -m pytest -q tests/tpu
+
+# A real Slurm on this host (tests/slurm, marker slurm; docs/slurm.md): tests/slurm/cluster.py
+# installs slurm-wlm and munge with apt-get where they are missing (root), starts munged,
+# slurmctld and slurmd on localhost with every file under a temp folder (SLURM_CONF, nothing in
+# /etc), and stops them at the end whatever happens. Under CI a cluster that cannot be installed
+# or started fails the stage instead of skipping it. ~1-2 minutes on 2 cores.
+test-slurm: install
+	$(BIN)/python -m pytest -q --durations=10 tests/slurm
 
 # Train the default model (byte-level code, 4 parallel heads) on the local stdlib corpus for a
 # few minutes; sample completions of code prompts with self-speculation; then measure decoding on

@@ -115,7 +115,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1  # -1 takes the devices the other axes leave
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
-  # jax.distributed.initialize(): "auto" on TPU pods, Slurm (SLURM_NTASKS > 1), Open MPI, or
+  # jax.distributed.initialize(): "auto" on TPU pods, srun -n 2+ (Slurm), Open MPI, or
   # when a coordinator address is given; "on" always; "off" never (sharding.py).
   c.mesh.distributed = "auto"
   # HOST:PORT of process 0, the process count and this process's id; empty / 0 / -1 read

@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import shutil
+import sys
 
 # Tiny test programs spend their time compiling, not running. On jaxlib 0.10's CPU backend these
 # two flags together cut the compile time of a small transformer's gradient ~7x (either alone
@@ -25,6 +26,11 @@ import pytest  # noqa: E402
 
 from mtp_jax import config as config_lib  # noqa: E402
 from mtp_jax.model import build_model, init_params  # noqa: E402
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slurm: runs on the real one-node Slurm of "
+                          "tests/slurm/cluster.py (make test-slurm; the main run ignores them)")
 
 
 def require(module_name: str):
@@ -101,3 +107,36 @@ def copy_code_corpus(root) -> dict:
       shutil.copy(os.path.join(src, name), folder / name)
   return {"folder": str(folder), "data_dir": str(root / "datasets"),
           "cache": str(root / "jax_cache")}
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train_cmd(corpus, workdir, *overrides) -> list[str]:
+  """`python -m mtp_jax.train` on configs/tiny.py over a copy_code_corpus corpus."""
+  return [sys.executable, "-m", "mtp_jax.train", "--config", os.path.join(REPO, "configs/tiny.py"),
+          "--workdir", str(workdir), "--config.data.corpus=text_folder",
+          f"--config.data.folder={corpus['folder']}", f"--config.data.dir={corpus['data_dir']}",
+          "--config.data.val_percent=20", *overrides]
+
+
+def sweep_cmd(sweep_file, root, corpus, *args) -> list[str]:
+  """experiments/sweep.py over a copy_code_corpus corpus (--set last: `args` may add to it)."""
+  return [sys.executable, os.path.join(REPO, "experiments", "sweep.py"), "--sweep",
+          str(sweep_file), "--root", str(root), *args, "--set", "data.corpus=text_folder",
+          f"data.folder={corpus['folder']}", f"data.dir={corpus['data_dir']}",
+          "data.val_percent=20"]
+
+
+def micro_sweep(path, runs: str):
+  """Writes a sweep file at `path`: experiments/sweeps/micro.py's BASE_CONFIG and COMMON, and
+  get_runs() returning `runs`, Python over `micro` (that file, loaded)."""
+  micro = os.path.join(REPO, "experiments", "sweeps", "micro.py")
+  with open(path, "w") as f:
+    f.write("import importlib.util\n"
+            f"spec = importlib.util.spec_from_file_location('micro', {micro!r})\n"
+            "micro = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(micro)\n"
+            "BASE_CONFIG, COMMON = micro.BASE_CONFIG, micro.COMMON\n"
+            f"def get_runs():\n  return {runs}\n")
+  return path

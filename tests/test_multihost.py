@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+import conftest
 from conftest import copy_code_corpus
 
 from mtp_jax import config as config_lib
@@ -26,7 +27,6 @@ from mtp_jax import steps as steps_lib
 from mtp_jax import workdir as workdir_lib
 from mtp_jax.data import pipeline
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
 TIMEOUT_S = 10  # mesh.distributed_timeout_s of the 2-process runs
 
@@ -38,13 +38,11 @@ def free_port() -> int:
 
 
 def train_cmd(corpus, workdir, *overrides):
-  return [sys.executable, "-m", "mtp_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"),
-          "--workdir", str(workdir), "--config.data.corpus=text_folder",
-          f"--config.data.folder={corpus['folder']}", f"--config.data.dir={corpus['data_dir']}",
-          "--config.data.val_percent=20", "--config.mesh.data=2", "--config.mesh.fsdp=2",
-          f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=3",
-          "--config.train.eval_every=3", f"--config.mesh.distributed_timeout_s={TIMEOUT_S}",
-          *overrides]
+  return conftest.train_cmd(
+      corpus, workdir, "--config.mesh.data=2", "--config.mesh.fsdp=2",
+      f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=3",
+      "--config.train.eval_every=3", f"--config.mesh.distributed_timeout_s={TIMEOUT_S}",
+      *overrides)
 
 
 def env_for(corpus, devices: int, **extra) -> dict:

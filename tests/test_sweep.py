@@ -14,20 +14,13 @@ import time
 
 import numpy as np
 import pytest
-from conftest import copy_code_corpus
+from conftest import copy_code_corpus, micro_sweep, sweep_cmd
 
 from mtp_jax.sweeps import scaling
 from mtp_jax.sweeps import sweep as sweep_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MICRO = os.path.join(ROOT, "experiments", "sweeps", "micro.py")
-
-
-def sweep_cmd(sweep_file, root, corpus, *args):
-  return [sys.executable, os.path.join(ROOT, "experiments", "sweep.py"), "--sweep", sweep_file,
-          "--root", str(root), *args, "--set", "data.corpus=text_folder",
-          f"data.folder={corpus['folder']}", f"data.dir={corpus['data_dir']}",
-          "data.val_percent=20"]
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +36,8 @@ def micro(corpus, tmp_path_factory):
   """The micro sweep with a run whose override fails validation (n_future 9 > n_layers 3: exit
   2) put first, so the runs after it must still start; two at a time. Runs once."""
   tmp = tmp_path_factory.mktemp("sweep")
-  sweep_file = tmp / "micro_plus_bad.py"
-  sweep_file.write_text(
-      "import importlib.util\n"
-      f"spec = importlib.util.spec_from_file_location('micro', {MICRO!r})\n"
-      "micro = importlib.util.module_from_spec(spec)\n"
-      "spec.loader.exec_module(micro)\n"
-      "BASE_CONFIG, COMMON = micro.BASE_CONFIG, micro.COMMON\n"
-      "def get_runs():\n"
-      "  return [{'name': 'bad', 'model.n_future': 9}] + micro.get_runs()\n")
+  sweep_file = micro_sweep(tmp / "micro_plus_bad.py",
+                           "[{'name': 'bad', 'model.n_future': 9}] + micro.get_runs()")
   root = tmp / "root"
   p = subprocess.run(sweep_cmd(str(sweep_file), root, corpus, "--parallel", "2"),
                      env=corpus["env"], capture_output=True, text=True, timeout=900)
@@ -132,7 +118,8 @@ def test_rerun_skips_finished_runs(micro, corpus):
 
 def test_sweep_modules_import_no_jax():
   """A rerun that skips everything costs no jax start-up."""
-  code = ("import sys, mtp_jax.sweeps.sweep, mtp_jax.sweeps.scheduler, mtp_jax.sweeps.scaling; "
+  code = ("import sys, mtp_jax.sweeps.sweep, mtp_jax.sweeps.scheduler, mtp_jax.sweeps.scaling, "
+          "mtp_jax.sweeps.slurm; "
           "print(sorted(m for m in ('jax', 'tensorflow_datasets') if m in sys.modules))")
   p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                      env=dict(os.environ, PYTHONPATH=ROOT))

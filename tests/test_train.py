@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import copy_code_corpus, require
+from conftest import copy_code_corpus, require, train_cmd
 
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
@@ -30,13 +30,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def corpus(tmp_path_factory):
   """A few real Python files as a text_folder corpus, and a data dir shared by every run."""
   return copy_code_corpus(tmp_path_factory.mktemp("train_corpus"))
-
-
-def train_cmd(corpus, workdir, *overrides):
-  return [sys.executable, "-m", "mtp_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"),
-          "--workdir", str(workdir), "--config.data.corpus=text_folder",
-          f"--config.data.folder={corpus['folder']}", f"--config.data.dir={corpus['data_dir']}",
-          "--config.data.val_percent=20", *overrides]
 
 
 def env_for(corpus):

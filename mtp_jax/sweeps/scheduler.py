@@ -37,6 +37,12 @@ class _Running:
   offset: int  # where this launch's output starts in the log
 
 
+def log_header(log: IO[str], label: str, command: Sequence[str]) -> None:
+  """The line a job's log gets before each launch: `=== LABEL <time>: <command>`."""
+  log.write(f"=== {label} {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(command)}\n")
+  log.flush()
+
+
 def cpu_sets(parallel: int) -> list[set[int]]:
   """The CPUs this process may use, split into `parallel` contiguous groups (shared round-robin
   when there are fewer CPUs than slots)."""
@@ -80,9 +86,7 @@ class Scheduler:
     slot = self._free.pop(0)
     os.makedirs(os.path.dirname(os.path.abspath(job.log_path)), exist_ok=True)
     logf = open(job.log_path, "a")  # (closed in _finish)
-    when = time.strftime("%Y-%m-%d %H:%M:%S")
-    logf.write(f"=== {self.label} {when}: {' '.join(job.command)}\n")
-    logf.flush()
+    log_header(logf, self.label, job.command)
     cpus = self.cpu_sets[slot] if self.pin else None
     proc = subprocess.Popen(job.command, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)

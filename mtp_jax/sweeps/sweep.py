@@ -12,7 +12,8 @@ has a "name". `run_sweep` trains each run in ROOT/NAME (log in ROOT/NAME/train.l
 at a time, skips runs whose summary.json says they finished, resumes the others (the train CLI
 resumes from the workdir's checkpoint), reports a failed run and goes on, and writes
 ROOT/sweep.json (runs and their `RunStatus`) and ROOT/results.csv. The processes are run by
-`mtp_jax.sweeps.scheduler` (slots, CPU affinity, signals). Results, fits and plots are in
+`mtp_jax.sweeps.scheduler` (slots, CPU affinity, signals), or on a Slurm cluster as one job array
+by `mtp_jax.sweeps.slurm.run_sweep` (the same `plan` and `Progress`). Results, fits and plots are in
 `mtp_jax.sweeps.scaling` (re-exported here: `gather_results`, `fit_power_law`, `analyze`). None of
 the three imports jax or tfds: a rerun that skips everything costs no start-up.
 """
@@ -26,6 +27,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import time
 from typing import Any
@@ -38,7 +40,7 @@ from mtp_jax import workdir as workdir_lib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the train CLI prints once data and checkpoint are ready (train.py): past this line a run no
 # longer builds the dataset, so the next run may start.
-_STARTED = re.compile(r"^(starting|resuming at) step ", re.M)
+STARTED = re.compile(r"^(starting|resuming at) step ", re.M)
 
 
 @dataclasses.dataclass
@@ -226,7 +228,7 @@ def _tail(path: str, lines: int = 12) -> str:
     return ""
 
 
-def _write_json(path: str, obj: Any):
+def write_json(path: str, obj: Any):
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     json.dump(obj, f, indent=2)
@@ -248,6 +250,112 @@ def plan(sweep: Sweep, root: str) -> list[RunRecord]:
   return records
 
 
+def dry_run_record(sweep: Sweep, root: str, records: list[RunRecord],
+                   log: Callable[[str], None]) -> dict:
+  what = {WorkdirState.FINISHED: "skip (finished)", WorkdirState.RESUME: "resume",
+          WorkdirState.NEW: "train", WorkdirState.MISMATCH: "FAIL"}
+  for i, r in enumerate(records):
+    log(f"[{i + 1}/{len(records)}] {r.name}: {what[r.state]} {r.detail}".rstrip()
+        + f"\n    {' '.join(r.command)}")
+  return {"sweep": sweep.path, "root": root, "runs": [r.to_json() for r in records]}
+
+
+def runs_env(root: str, env: dict[str, str] | None = None) -> dict[str, str]:
+  """os.environ and `env`; JAX_COMPILATION_CACHE_DIR defaults to root/.jax_cache."""
+  out = dict(os.environ, **(env or {}))
+  out.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(root, ".jax_cache"))
+  return out
+
+
+class Progress:
+  """What every launcher (the scheduler here, a Slurm array in mtp_jax.sweeps.slurm) does around
+  its processes: `[k/n] NAME: ...` lines with elapsed time and ETA, ROOT/sweep.json after each
+  change (`record`: a launcher may add fields), ROOT/results.csv and a closing line."""
+
+  def __init__(self, sweep: Sweep, root: str, records: list[RunRecord], parallel: int | None,
+               log: Callable[[str], None] = print):
+    self.root, self.records, self.log, self.parallel = root, records, log, parallel
+    self.by_name = {r.name: r for r in records}
+    self.t0, self.finished, self.trained_secs = time.time(), 0, []
+    self.record = {"sweep": sweep.path, "base_config": sweep.base_config,
+                   "common": sweep.common, "root": root, "parallel": parallel, "runs": []}
+    os.makedirs(root, exist_ok=True)
+    for r in records:
+      if r.status != RunStatus.PENDING:
+        self.finished += 1
+        log(f"[{self.finished}/{len(records)}] {r.name}: " + (
+            "skipped, finished earlier" if r.status == RunStatus.SKIPPED
+            else f"FAILED: {r.error}"))
+    self.save()
+
+  pending = property(lambda self: [r for r in self.records if r.status == RunStatus.PENDING])
+
+  def save(self) -> None:
+    self.record["runs"] = [r.to_json() for r in self.records]
+    write_json(os.path.join(self.root, "sweep.json"), self.record)
+
+  def started(self, name: str, where: str = "") -> None:
+    """The run is RUNNING; `where` says on what (CPUs, a Slurm task and its node)."""
+    r = self.by_name[name]
+    r.status = RunStatus.RUNNING
+    self.log(f"    {r.name}: " + (f"resume {r.detail}" if r.state == WorkdirState.RESUME
+                                  else "start") + (f" {where}" if where else ""))
+    self.save()
+
+  def ended(self, name: str, rc: int | None, secs: float, log_path: str,
+            running: int | None = None, error: str | None = None) -> RunStatus:
+    """The run's process ended with exit status `rc` after `secs` (None: unknown, `error` says
+    why): DONE when its summary.json says every step ran, INTERRUPTED when it stopped early or
+    was stopped by SIGTERM or SIGINT, FAILED otherwise (with its log's last lines). `running`:
+    how many run at once now, for the ETA (default: parallel)."""
+    r = self.by_name[name]
+    r.returncode, r.seconds = rc, round(secs, 1)
+    summary = workdir_lib.read_summary(r.workdir) or {}
+    complete = summary.get("step") == summary.get("steps") and not summary.get("interrupted")
+    if rc is None or rc in (-signal.SIGTERM, -signal.SIGINT):  # cancelled, Ctrl-C
+      r.status, r.error = RunStatus.INTERRUPTED, error or f"killed by {signal.Signals(-rc).name}"
+    elif rc == 0 and complete:
+      r.status = RunStatus.DONE
+      self.trained_secs.append(secs)
+    elif rc == 0:
+      r.status, r.error = RunStatus.INTERRUPTED, f"stopped at step {summary.get('step')}"
+    else:
+      r.status, r.error = RunStatus.FAILED, _tail(log_path)
+    self.finished += 1
+    n, left = len(self.records), len(self.records) - self.finished
+    at_once = max(1, running or self.parallel or 1)
+    eta = (f"ETA {_fmt_secs(sum(self.trained_secs) / len(self.trained_secs) * left / at_once)}"
+           if self.trained_secs and left else "ETA ?" if left else "")
+    self.log(f"[{self.finished}/{n}] {r.name}: {r.status.value} in {_fmt_secs(secs)} (exit {rc}) "
+             f"| elapsed {_fmt_secs(time.time() - self.t0)} {eta}".rstrip())
+    if r.status == RunStatus.FAILED or rc is None:
+      self.log("    " + r.error.replace("\n", "\n    "))
+    self.save()
+    return r.status
+
+  def interrupted(self, mark: bool = True) -> None:
+    """On Ctrl-C: sweep.json (the runs not started INTERRUPTED, with `mark`) and results.csv as
+    far as they go."""
+    for r in self.pending if mark else []:
+      r.status = RunStatus.INTERRUPTED
+    self.save()
+    scaling.gather_results(self.root)
+
+  def close(self) -> dict:
+    """Writes the final sweep.json and results.csv, logs the counts; returns the record."""
+    self.record["seconds"] = round(time.time() - self.t0, 1)
+    self.save()
+    scaling.gather_results(self.root)
+    counts = {s: sum(r.status == s for r in self.records) for s in RunStatus}
+    self.log(f"sweep: {counts[RunStatus.DONE]} trained, {counts[RunStatus.SKIPPED]} skipped, "
+             f"{counts[RunStatus.FAILED]} failed"
+             + (f", {counts[RunStatus.INTERRUPTED]} interrupted"
+                if counts[RunStatus.INTERRUPTED] else "")
+             + f" in {_fmt_secs(self.record['seconds'])}; "
+             f"{os.path.join(self.root, 'results.csv')}")
+    return self.record
+
+
 def run_sweep(sweep: Sweep, root: str, parallel: int = 1, *, dry_run: bool = False,
               pin_cpus: bool = True, env: dict[str, str] | None = None,
               log: Callable[[str], None] = print) -> dict:
@@ -258,96 +366,32 @@ def run_sweep(sweep: Sweep, root: str, parallel: int = 1, *, dry_run: bool = Fal
   `pin_cpus` (mtp_jax.sweeps.scheduler). On an accelerator, keep parallel at 1 (each process would
   claim most of the device's memory). The first run starts alone until it has its data ready,
   so the dataset is built once, not by P processes at once. JAX_COMPILATION_CACHE_DIR defaults
-  to root/.jax_cache, so a resumed run does not compile again.
+  to root/.jax_cache, so a resumed run does not compile again. (A Slurm cluster runs them
+  instead with mtp_jax.sweeps.slurm.run_sweep.)
   """
   if parallel < 1:
     raise ValueError(f"--parallel: must be >= 1, got {parallel}")
   root = os.path.abspath(root)
   records = plan(sweep, root)
-  n = len(records)
   if dry_run:
-    what = {WorkdirState.FINISHED: "skip (finished)", WorkdirState.RESUME: "resume",
-            WorkdirState.NEW: "train", WorkdirState.MISMATCH: "FAIL"}
-    for i, r in enumerate(records):
-      log(f"[{i + 1}/{n}] {r.name}: {what[r.state]} {r.detail}".rstrip()
-          + f"\n    {' '.join(r.command)}")
-    return {"sweep": sweep.path, "root": root, "runs": [r.to_json() for r in records]}
-
-  os.makedirs(root, exist_ok=True)
-  env = dict(os.environ, **(env or {}))
-  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(root, ".jax_cache"))
-  sched = scheduler.Scheduler(parallel, env=env, pin_cpus=pin_cpus, ready=_STARTED,
-                              label="sweep")
-  by_name = {r.name: r for r in records}
-  t0, finished, trained_secs = time.time(), 0, []
-
-  record = {"sweep": sweep.path, "base_config": sweep.base_config, "common": sweep.common,
-            "root": root, "parallel": parallel, "runs": []}
-
-  def save():
-    record["runs"] = [r.to_json() for r in records]
-    _write_json(os.path.join(root, "sweep.json"), record)
-
-  for r in records:
-    if r.status != RunStatus.PENDING:
-      finished += 1
-      log(f"[{finished}/{n}] {r.name}: " + ("skipped, finished earlier"
-                                            if r.status == RunStatus.SKIPPED
-                                            else f"FAILED: {r.error}"))
-
-  def on_launch(job, cpus):
-    r = by_name[job.name]
-    r.status = RunStatus.RUNNING
-    log(f"    {r.name}: " + (f"resume {r.detail}" if r.state == WorkdirState.RESUME else "start")
-        + (f" on CPUs {cpus}" if cpus else ""))
-
-  def on_finish(job, rc, secs):
-    nonlocal finished
-    r = by_name[job.name]
-    r.returncode, r.seconds = rc, round(secs, 1)
-    summary = workdir_lib.read_summary(r.workdir) or {}
-    if rc == 0 and summary.get("step") == summary.get("steps") and not summary.get("interrupted"):
-      r.status = RunStatus.DONE
-      trained_secs.append(secs)
-    elif rc == 0:
-      r.status, r.error = RunStatus.INTERRUPTED, f"stopped at step {summary.get('step')}"
-    else:
-      r.status, r.error = RunStatus.FAILED, _tail(job.log_path)
-    finished += 1
-    left = n - finished
-    eta = (f"ETA {_fmt_secs(sum(trained_secs) / len(trained_secs) * left / parallel)}"
-           if trained_secs and left else "ETA ?" if left else "")
-    log(f"[{finished}/{n}] {r.name}: {r.status.value} in {_fmt_secs(secs)} (exit {rc}) | "
-        f"elapsed {_fmt_secs(time.time() - t0)} {eta}".rstrip())
-    if r.status == RunStatus.FAILED:
-      log("    " + r.error.replace("\n", "\n    "))
-    save()
-
-  def on_interrupt(running):
-    log(f"interrupted: stopping {running} run(s); each saves a checkpoint, rerun to resume")
+    return dry_run_record(sweep, root, records, log)
+  progress = Progress(sweep, root, records, parallel, log)
+  sched = scheduler.Scheduler(parallel, env=runs_env(root, env), pin_cpus=pin_cpus,
+                              ready=STARTED, label="sweep")
 
   jobs = [scheduler.Job(r.name, r.command, os.path.join(r.workdir, "train.log"))
-          for r in records if r.status == RunStatus.PENDING]
-  save()
+          for r in progress.pending]
   try:
-    sched.run(jobs, on_launch=on_launch, on_finish=on_finish, on_interrupt=on_interrupt)
+    sched.run(jobs, on_launch=lambda job, cpus: progress.started(
+                  job.name, f"on CPUs {cpus}" if cpus else ""),
+              on_finish=lambda job, rc, secs: progress.ended(job.name, rc, secs, job.log_path),
+              on_interrupt=lambda running: log(
+                  f"interrupted: stopping {running} run(s); each saves a checkpoint, rerun to "
+                  "resume"))
   except KeyboardInterrupt:
-    for r in records:
-      if r.status == RunStatus.PENDING:
-        r.status = RunStatus.INTERRUPTED
-    save()
-    scaling.gather_results(root)
+    progress.interrupted()
     raise
-  record["seconds"] = round(time.time() - t0, 1)
-  save()
-  scaling.gather_results(root)
-  counts = {s: sum(r.status == s for r in records) for s in RunStatus}
-  log(f"sweep: {counts[RunStatus.DONE]} trained, {counts[RunStatus.SKIPPED]} skipped, "
-      f"{counts[RunStatus.FAILED]} failed"
-      + (f", {counts[RunStatus.INTERRUPTED]} interrupted" if counts[RunStatus.INTERRUPTED]
-         else "")
-      + f" in {_fmt_secs(record['seconds'])}; {os.path.join(root, 'results.csv')}")
-  return record
+  return progress.close()
 
 
 # What a notebook reaches for after a sweep, from the module that computes it.

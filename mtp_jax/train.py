@@ -249,7 +249,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       "peak_flops_per_device": peak_flops,
       "peak_flops_source": peak_source,
       "wall_seconds": time.time() - t_start,
-      **machine(),  # where the timings come from
+      **machine(),  # where the timings come from (process 0's host)
+      "processes": n_processes,
+      "devices": jax.device_count(),
       "params_sha256": steps_lib.params_sha256(state.params),
       "head_kind": config.model.heads.kind,
       "n_future": config.model.n_future,

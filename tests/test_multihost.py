@@ -137,6 +137,8 @@ def test_two_processes_train_as_one_with_four_devices(runs):
   # The same program over the same devices: XLA reduces in the same order, bit for bit.
   assert summary(two)["params_sha256"] == summary(one)["params_sha256"]
   assert summary(two)["step"] == STEPS
+  assert (summary(two)["processes"], summary(one)["processes"]) == (2, 1)
+  assert summary(two)["devices"] == summary(one)["devices"] == 4
 
 
 def test_process_zero_alone_writes_the_run_files(runs):

@@ -7,7 +7,7 @@ corpus, same steps: teacher-forced acceptance per head and decoding's tokens per
 1. base: the source workdir's latest checkpoint with heads 2..n restarted as its head kind
    starts new heads on a pretrained model (`HeadKind.warm_start`; parallel: copies of head 1's
    block), written as a workdir; head 1 and the trunk are the source's.
-2. distilled: `python -m mtp_jax.data.distill` with the source workdir (its own heads draft) on
+2. distilled: `python -m mtp_jax.decoding.distill` with the source workdir (its own heads draft) on
    the train split of the source's corpus: each file's first --prompt_len tokens, continued for
    --max_new_tokens by head 1 (greedy, or --temperature).
 3. Two runs from base (train.init_from, optim.trainable = "heads", same steps, batch, lr):
@@ -41,7 +41,7 @@ from mtp_jax import validation
 from mtp_jax import convert, train
 from mtp_jax import heads as heads_lib
 from mtp_jax.data import corpus as corpus_lib
-from mtp_jax.data import distill
+from mtp_jax.decoding import distill
 from mtp_jax.workdir import load_workdir
 
 

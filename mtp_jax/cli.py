@@ -114,6 +114,23 @@ def parse_command(argv: Sequence[str] | None, commands: dict[str, Command], *, p
                      required=c.required)
 
 
+# The decoding library's parameters (mtp_jax.decoding) and the flags that set them in generate,
+# evaluate and distill: the library's errors name the parameter, the CLIs the flag.
+DECODE_FLAGS = {"k": "heads", "tree": "tree", "max_new_tokens": "max_new_tokens",
+                "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",
+                "num_samples": "num_samples"}
+
+
+def flag_error(e: Exception, flag_of: dict[str, str] | None = None) -> str:
+  """An error's first line, a library error `param: ...` written as the flag that sets the
+  parameter (`--flag: ...`; flag_of: parameter -> flag, by default DECODE_FLAGS); any other
+  line as it is."""
+  msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+  param, sep, rest = msg.partition(": ")
+  flag_of = DECODE_FLAGS if flag_of is None else flag_of
+  return f"--{flag_of[param]}: {rest}" if sep and param in flag_of else msg
+
+
 def run(main: Callable[[list[str]], int | None]) -> NoReturn:
   """sys.exit(main(sys.argv[1:])); a ValueError out of main is bad input: one line
   `error: ...` on stderr, exit status 2."""

@@ -197,7 +197,7 @@ def main(argv):
         heads=FLAGS.heads, temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
         num_samples=FLAGS.num_samples, seed=FLAGS.seed, tree=FLAGS.tree, reps=FLAGS.reps)
   except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {cli.flag_error(e)}", file=sys.stderr)  # the library's errors by flag
     sys.exit(2)
 
 

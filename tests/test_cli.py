@@ -166,7 +166,7 @@ def test_require_skips_locally_and_fails_under_ci(monkeypatch):
 # processes in all, started at once.
 _MODULES = ["mtp_jax.train", "mtp_jax.generate"]
 _IN_ONE = ([("module", "mtp_jax.data.prepare", []), ("module", "mtp_jax.evaluation.tasks_eval", []),
-            ("module", "mtp_jax.data.distill", [])]
+            ("module", "mtp_jax.decoding.distill", [])]
            + [("module", "mtp_jax.convert", [sub]) for sub in (
                "", "meta", "deepseek", "from-hf", "to-hf", "to-meta", "to-deepseek")]
            + [("module", "mtp_jax.data.tokenizers", [sub]) for sub in ("", "train")]
@@ -196,6 +196,7 @@ def _help_ok(out: str, rc: int) -> bool:
   return rc == 0 and "--" in out and ("usage" in out.lower() or "python -m" in out)
 
 
+@pytest.mark.slow
 def test_every_entry_point_has_help():
   """--help prints the usage and the flags on stdout and exits 0, compiling nothing."""
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
@@ -311,3 +312,14 @@ def test_prepare_flag_errors_are_clean_lines(tmp_path):
     p = subprocess.run([sys.executable, "-m", "mtp_jax.data.prepare", *argv], env=env,
                        capture_output=True, text=True, timeout=120)
     _assert_one_clean_line(p, needle)
+
+
+def test_flag_error_names_the_flag_of_a_library_parameter():
+  """The decoding library names its parameters (k: ...); the CLIs name the flag (--heads: ...)."""
+  from mtp_jax.decoding import decode as decode_lib
+  with pytest.raises(ValueError) as e:
+    decode_lib.repeat([[1]], 0)
+  assert cli.flag_error(e.value) == "--num_samples: must be an integer >= 1, got 0"
+  assert cli.flag_error(ValueError("k: between 1 and 4")) == "--heads: between 1 and 4"
+  assert cli.flag_error(ValueError("--tree: x\nmore")) == "--tree: x"  # a flag's error, one line
+  assert cli.flag_error(ValueError("prompt: empty")) == "prompt: empty"  # no flag of that name

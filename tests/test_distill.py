@@ -1,4 +1,4 @@
-"""`python -m mtp_jax.data.distill`: a tiny model's own continuations of prompts from a JSONL
+"""`python -m mtp_jax.decoding.distill`: a tiny model's own continuations of prompts from a JSONL
 source, as prepare-format token shards (the records are the prompts followed by plain greedy
 decoding's output), resumed shard by shard, read back as a source, trained on; one-line errors."""
 
@@ -17,7 +17,8 @@ import pytest
 from mtp_jax import validation
 from mtp_jax import convert, train
 from mtp_jax.decoding import decode as decode_lib
-from mtp_jax.data import corpora, distill, tokenizers
+from mtp_jax.data import corpora, tokenizers
+from mtp_jax.decoding import distill
 
 DOCS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n",
         "class A:\n    pass\n", "x = [i * i for i in range(10)]\n", "while True:\n    break\n",
@@ -116,7 +117,7 @@ def test_distill_command_line(tmp_path):
   """The real entry point: --help exits 0; a bad flag is one `error:` line and exit status 2,
   before any workdir is read or anything written."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  run = lambda *argv: subprocess.run([sys.executable, "-m", "mtp_jax.data.distill", *argv],
+  run = lambda *argv: subprocess.run([sys.executable, "-m", "mtp_jax.decoding.distill", *argv],
                                      capture_output=True, text=True, timeout=300,
                                      env=dict(os.environ, PYTHONPATH=root))
   p = run("--help")

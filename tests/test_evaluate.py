@@ -39,6 +39,7 @@ def _run(args, capsys):
   return rc, cap.out, cap.err
 
 
+@pytest.mark.slow
 def test_cli_writes_well_formed_results(workdir, tmp_path):
   out = tmp_path / "results.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -71,6 +72,7 @@ def test_cli_writes_well_formed_results(workdir, tmp_path):
   assert len(d["vs_greedy"]["speculative_seconds"]) == 3  # timed 3 times after a warm-up
 
 
+@pytest.mark.slow
 def test_greedy_is_deterministic(workdir, tmp_path, capsys):
   runs = []
   for i in range(2):
@@ -266,7 +268,8 @@ def test_end_to_end_row_to_problem_mapping_and_pass_at_k(workdir, tmp_path, caps
       out[r, :len(t)], lengths[r] = t, len(t)
     return types.SimpleNamespace(tokens=out, lengths=lengths, cycles=lengths, seconds=0.01)
 
-  monkeypatch.setattr(decode_lib, "decode", fake_decode)
+  monkeypatch.setattr(decode_lib.Session, "decode",  # passk decodes through one Session
+                      lambda self, batch, **kw: fake_decode(self.params, self.args, batch, **kw))
   out, samples = tmp_path / "r.json", tmp_path / "samples.jsonl"
   rc, _, err = _run(["--workdir", workdir, "--limit", "3", "--num_samples", "3", "--k", "1,2,3",
                      "--batch_size", "2", "--mode", "greedy", "--max_new_tokens", "500",

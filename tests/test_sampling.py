@@ -90,6 +90,7 @@ def sample_rows(m, params, *, k, seed=0, n=N, **sp):
 SETTINGS = [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=1.2, top_k=5, top_p=0.9)]
 
 
+@pytest.mark.slow
 def test_speculative_sampling_is_exact_in_distribution(model):
   """Per head kind, plain truncation and top-k + top-p: p-value above 1e-3 (fixed seeds)."""
   m, params = model
@@ -149,6 +150,7 @@ WRONG = [(always_accept, K, N + 1), (resample_from_p, K, N + 2),
          (bonus_from_previous_slot, 2, N + 3)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong, k, n", WRONG, ids=[w[0].__name__ for w in WRONG])
 def test_chi_square_rejects_a_wrong_rule(monkeypatch, wrong, k, n):
   """The tests above have power: the same statistic at the same sample size rejects wrong rules;
@@ -169,6 +171,7 @@ def test_chi_square_rejects_a_wrong_rule(monkeypatch, wrong, k, n):
   assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Settings(**sp))) < 1e-6
 
 
+@pytest.mark.slow
 def test_bonus_token_is_inside_the_statistic():
   """k = 2 over the first three tokens: the first comes from prefill, the first cycle gains the
   accepted draft and then the bonus token, so a bonus token drawn from p after a full acceptance
@@ -200,6 +203,7 @@ def reference_greedy(m, params, prompts, max_new):
   return np.stack([seqs[b, len(p):len(p) + max_new] for b, p in enumerate(prompts)])
 
 
+@pytest.mark.slow
 def test_greedy_equals_no_cache_reference_and_temperature_zero(model):
   m, params = model
   want = reference_greedy(m, params, RAGGED, MAX_NEW)
@@ -233,15 +237,15 @@ def test_seeds_and_rows():
 
 
 @pytest.mark.parametrize("kw, flag", [
-    (dict(temperature=-0.1), "--temperature"), (dict(temperature=float("nan")), "--temperature"),
-    (dict(temperature=float("inf")), "--temperature"), (dict(top_p=0.0), "--top_p"),
-    (dict(top_p=1.5), "--top_p"), (dict(top_k=-1), "--top_k"), (dict(seed=-1), "--seed"),
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(seed=-1), "seed"),
 ])
 def test_bad_sampling_arguments(kw, flag):
   m, params = make("projection")
   with pytest.raises(ValueError, match=f"^{flag}: "):
     decode_lib.decode(params, m.args, [[1]], k=2, max_new_tokens=2, eos_id=-1, pad_id=PAD, **kw)
-  with pytest.raises(ValueError, match="^--num_samples: "):
+  with pytest.raises(ValueError, match="^num_samples: "):
     decode_lib.repeat([[1]], 0)
 
 
@@ -258,6 +262,7 @@ def workdir(tmp_path_factory):
   return wd
 
 
+@pytest.mark.slow
 def test_generate_cli_samples_in_both_modes(workdir):
   p = subprocess.run([sys.executable, "-m", "mtp_jax.generate", "--workdir", workdir,
                       "--prompt", "def f(", "--prompt", "x", "--max_new_tokens", "8", "--mode",

@@ -121,6 +121,7 @@ def test_metrics_writer_keeps_torch_out_and_writes_tensorboard_scalars(tmp_path)
   assert scalars[("train/loss", 1)] == 2.5 and scalars[("train/head2_acc", 1)] == 0.5, scalars
 
 
+@pytest.mark.slow
 def test_rerun_of_finished_run_keeps_summary(corpus, reference, tmp_path):
   """Rerunning a finished run (`make demo` twice) trains nothing and keeps every key and value
   of summary.json: the speed, eval and MFU of the steps that were trained."""
@@ -194,6 +195,7 @@ def test_sigterm_saves_current_step_then_resumes_exactly(corpus, tmp_path):
   assert batch_hashes(wd) == batch_hashes(ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["empty", "truncate"])
 def test_corrupt_latest_falls_back(corpus, reference, tmp_path, damage):
   wd = tmp_path / "run"
@@ -218,6 +220,7 @@ def test_corrupt_latest_falls_back(corpus, reference, tmp_path, damage):
   assert summary(wd)["params_sha256"] == reference["summary"]["params_sha256"]
 
 
+@pytest.mark.slow
 def test_nonfinite_step_is_skipped_and_params_unchanged(corpus):
   from mtp_jax.config import load_file
   config = load_file(os.path.join(ROOT, "configs/tiny.py"))
@@ -238,6 +241,7 @@ def test_nonfinite_step_is_skipped_and_params_unchanged(corpus):
   assert steps_lib.params_sha256(state.params) != steps_lib.params_sha256(before)
 
 
+@pytest.mark.slow
 def test_consecutive_nonfinite_stops_and_keeps_checkpoint(corpus, tmp_path):
   wd = tmp_path / "run"
   p = run_train(corpus, wd, "--config.train.debug_nonfinite_steps=(6, 7, 8, 9, 10, 11)",
@@ -281,6 +285,7 @@ def generate_cmd(workdir, *args):
   return [sys.executable, "-m", "mtp_jax.generate", "--workdir", str(workdir), *args]
 
 
+@pytest.mark.slow
 def test_generate_cli_both_modes(corpus, reference):
   p = subprocess.run(generate_cmd(reference["workdir"], "--prompt", "def f(x):", "--prompt",
                                   "import os\n", "--max_new_tokens", "24", "--mode", "both",
@@ -295,11 +300,13 @@ def test_generate_cli_both_modes(corpus, reference):
 @pytest.mark.parametrize("texts,kw,needle", [
     ([""], {}, "--prompt: prompt 1 is empty"),
     ([], {}, "--prompt: give at least one"),
-    (["x" * 120], {}, "--max_new_tokens: prompt (120 tokens) + max_new_tokens"),
+    (["x" * 120], {}, "max_new_tokens: prompt (120 tokens) + max_new_tokens"),
     (["ok \udc80"], {}, "cannot be encoded"),
-    (["def"], {"heads": 3}, "--heads: must be between 1 and the model's n_future (2)"),
+    (["def"], {"heads": 3}, "k: must be between 1 and the model's n_future (2)"),
 ])
 def test_generate_bad_input(reference, texts, kw, needle):
+  """generate.run's errors name its parameters (the decoder's k for heads); the CLI maps them to
+  flags (cli.flag_error, tests/test_cli.py)."""
   from mtp_jax import generate
   args = {"max_new_tokens": 16, "mode": "speculative", "heads": None, **kw}
   with pytest.raises(ValueError) as e:
@@ -321,6 +328,7 @@ def test_generate_workdir_without_checkpoint(corpus, tmp_path):
     generate.run(str(wd), ["x"], max_new_tokens=4, mode="greedy", heads=None)
 
 
+@pytest.mark.slow
 def test_relative_workdir_checkpoints_commit(corpus, tmp_path):
   """orbax refuses relative paths only in its background commit: a run must still checkpoint."""
   cmd = train_cmd(corpus, "rel/run", "--config.train.steps=5")

@@ -36,7 +36,8 @@ def model(request):
 
 def test_tree_tables_by_hand():
   t = tree_lib.parse("2,1")
-  parent, depth, rank, anc, at_depth = t.tables
+  tb = t.tables
+  parent, depth, rank, anc, at_depth = tb.parent, tb.depth, tb.rank, tb.ancestors, tb.at_depth
   assert parent.tolist() == [0, 0, 0, 1, 2] and depth.tolist() == [0, 1, 1, 2, 2]
   assert rank.tolist() == [0, 0, 1, 0, 0] and t.n_nodes == 5 and t.k == 3
   assert anc[3].tolist() == [True, True, False, True, False]
@@ -46,13 +47,14 @@ def test_tree_tables_by_hand():
 
 
 @pytest.mark.parametrize("spec, match", [
-    ("", "--tree: a comma-separated"), ("4,x", "--tree: a comma-separated"),
-    ("0,1", "--tree: a comma-separated"), ("8,4", "at most 32"), ("2,1,1,1", "2..5")])
+    ("", "^tree: a comma-separated"), ("4,x", "^tree: a comma-separated"),
+    ("0,1", "^tree: a comma-separated"), ("8,4", "at most 32"), ("2,1,1,1", "2..5")])
 def test_bad_tree_specs(spec, match):
   with pytest.raises(ValueError, match=match):
     tree_lib.parse(spec, n_future=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["4,2,1", "3,1"])
 def test_tree_greedy_equals_greedy_ragged(model, spec):
   args, params = model
@@ -65,7 +67,7 @@ def test_tree_greedy_equals_greedy_ragged(model, spec):
   if spec == "4,2,1":
     # Some cycle accepted a candidate that was not its head's argmax (rank > 0): the tree did
     # more than the chain would have.
-    rank = tree_lib.parse(spec).tables[2]
+    rank = tree_lib.parse(spec).tables.rank
     assert t.rows_hist[:, rank > 0].sum() > 0, t.rows_hist
     assert t.forwards < g.forwards
 
@@ -84,6 +86,7 @@ def test_tree_eos_inside_a_tree(model):
   assert t.lengths[2] <= 5 and t.tokens[2, t.lengths[2] - 1] == eos
 
 
+@pytest.mark.slow
 def test_tree_forward_and_compaction_against_no_cache_reference(model):
   """One tree forward: head outputs at every node equal a no-cache forward of the root-to-node
   path. Then the path to a chosen leaf is compacted, and a one-token cached step after it
@@ -91,7 +94,7 @@ def test_tree_forward_and_compaction_against_no_cache_reference(model):
   args, params = model
   m = MTPModel(args)
   tree = tree_lib.parse("2,2,1")
-  parent, depth, _, _, at_depth = tree.tables
+  depth, at_depth = tree.tables.depth, tree.tables.at_depth
   N = tree.n_nodes
   prompt = np.asarray([[5, 7, 1, 9, 2, 8]], np.int32)
   P = prompt.shape[1]
@@ -123,6 +126,7 @@ def test_tree_forward_and_compaction_against_no_cache_reference(model):
                              atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tree_falls_back_to_the_chain_when_sampling(model, caplog):
   args, params = model
   with caplog.at_level(logging.WARNING, logger="mtp_jax.decoding.decode"):
@@ -132,6 +136,7 @@ def test_tree_falls_back_to_the_chain_when_sampling(model, caplog):
   assert "sampling uses the chain" in caplog.text
 
 
+@pytest.mark.slow
 def test_tree_on_sequential_heads_is_a_chain(caplog):
   c = tiny_config("sequential", n_future=3)
   m = build_model(c)
@@ -149,7 +154,6 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   args, params = model
   monkeypatch.setattr(decode_lib.costmodel, "forward_times",
                       lambda params, args, trees, **kw: {t: 1.0 for t in trees})
-  monkeypatch.setattr(decode_lib, "_CHOICES", {})
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   r = decode_lib.decode(params, args, RAGGED, k="auto", tree="auto", **kw)
   g = decode_lib.plain(params, args, RAGGED, **kw)
@@ -162,10 +166,12 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
 def test_forward_times_run_every_window_in_a_compiled_loop(model):
   """The cost model's inputs (costmodel.forward_times): the chain of 1, a chain and a tree, each
   run inside a compiled loop at two trip counts (the tree with its mask); a time per window,
-  cached per shape."""
+  kept per shape by a decode.Session (bounded, holding the params it timed)."""
   args, params = model
   windows = [decode_lib.costmodel.chain(1), decode_lib.costmodel.chain(3), tree_lib.parse("2,1")]
-  t = decode_lib.costmodel.forward_times(params, args, windows, batch=2, context=8, reps=2)
+  session = decode_lib.Session(params, args, cache_size=1)
+  t = session.forward_times(windows, batch=2, context=8, reps=2)
   assert list(t) == windows and all(np.isfinite(s) and s > 0 for s in t.values())
-  assert decode_lib.costmodel.forward_times(params, args, windows, batch=2, context=8,
-                                            reps=2) is t
+  assert session.forward_times(windows, batch=2, context=8, reps=2) is t
+  session.forward_times(windows[:1], batch=2, context=8, reps=2)  # evicts the first entry
+  assert len(session._forward) == 1

@@ -4,8 +4,8 @@
 Speculation with k heads (or a tree of N nodes) pays when S = a x T1 / Tk > 1: a the tokens a
 row gains per verification forward, T1 a one-token forward with head 1 alone (plain decoding),
 Tk a k-token (N-token) forward with heads 1..k, both timed on their own with the call's batch
-and context (`forward_seconds`, cached per shape). A batch runs until its slowest row is done,
-so the a that counts is the slowest row's.
+and context (`forward_seconds`; a `decode.Session` keeps them per shape). A batch runs until its
+slowest row is done, so the a that counts is the slowest row's.
 
 Acceptance comes from a probe: a few cycles of the largest candidate (the chain of all heads,
 or the union of the candidate trees) on the call's own prompts, recording for every row which
@@ -41,7 +41,6 @@ PRIOR = 4.0  # pseudo-cycles of the pooled histogram added to each row's
 MIN_GAIN = 1.05  # a candidate must beat plain decoding by this much predicted S
 TREE_CANDIDATES = ("2", "3", "4", "2,1", "3,1", "4,1", "2,2", "2,1,1", "3,1,1", "4,1,1",
                    "2,2,1", "3,2,1", "4,2,1", "4,2,2")
-_FORWARD: dict = {}  # (args, batch, context, tuple of trees, id of params, reps) -> seconds
 
 
 LOOP_COUNTS = (2, 10)  # forwards per timed call: the per-forward cost is the difference / 8
@@ -61,22 +60,20 @@ def forward_times(params, args: ModelArgs, trees: list[Tree], *, batch: int, con
   for a chain measured at 0.53, bench_decode_grid_xeon_amx.json.)
   Each window compiled and warmed up, then `reps` rounds calling every window at both counts,
   and the minimum of each: on a shared machine other work only ever adds time, and interleaving
-  lets every window see the same load. Cached per shape."""
+  lets every window see the same load. Measured on every call (`decode.Session.forward_times`
+  keeps them per shape)."""
   trees = list(dict.fromkeys(trees))
-  key = (args, batch, context, tuple(trees), id(params), reps)
-  if key not in _FORWARD:
-    fns = [_forward_fn(params, args, t, batch, context) for t in trees]
-    times = [{n: [] for n in LOOP_COUNTS} for _ in trees]
-    for _ in range(reps):
-      for f, ts in zip(fns, times):
-        for n in LOOP_COUNTS:
-          t0 = time.perf_counter()
-          f(n)
-          ts[n].append(time.perf_counter() - t0)
-    lo, hi = LOOP_COUNTS
-    _FORWARD[key] = {t: max(float(min(ts[hi]) - min(ts[lo])) / (hi - lo), 1e-9)
-                     for t, ts in zip(trees, times)}
-  return _FORWARD[key]
+  fns = [_forward_fn(params, args, t, batch, context) for t in trees]
+  times = [{n: [] for n in LOOP_COUNTS} for _ in trees]
+  for _ in range(reps):
+    for f, ts in zip(fns, times):
+      for n in LOOP_COUNTS:
+        t0 = time.perf_counter()
+        f(n)
+        ts[n].append(time.perf_counter() - t0)
+  lo, hi = LOOP_COUNTS
+  return {t: max(float(min(ts[hi]) - min(ts[lo])) / (hi - lo), 1e-9)
+          for t, ts in zip(trees, times)}
 
 
 def forward_seconds(params, args: ModelArgs, k: int, *, batch: int, context: int,
@@ -99,7 +96,7 @@ def _forward_fn(params, args, tree: Tree, batch, context):
   toks = jnp.zeros((batch, width), jnp.int32)
   seg = None
   if max(tree.spec, default=1) > 1:  # a tree window: positions by depth, the mask as bits
-    pos = context + jnp.broadcast_to(jnp.asarray(tree.tables[1]), (batch, width))
+    pos = context + jnp.broadcast_to(jnp.asarray(tree.tables.depth), (batch, width))
     seg = jnp.broadcast_to(jnp.asarray(tree.bits()), (batch, width))
   else:
     pos = context + jnp.broadcast_to(jnp.arange(width), (batch, width))
@@ -149,9 +146,10 @@ def reached_depth(probe: Tree, cand: Tree) -> np.ndarray:
   """[N]: for each probe node as a cycle's deepest accepted node, the depth the candidate
   would have accepted on that cycle: the greedy token at depth d was the probe's rank-r node
   for d <= the node's depth (and ranked beyond the probe's width at the next depth)."""
-  parent, depth, rank, _, at_depth = probe.tables
-  out = np.zeros(len(parent), np.int64)
-  for n in range(len(parent)):
+  t = probe.tables
+  depth, rank, at_depth = t.depth, t.rank, t.at_depth
+  out = np.zeros(len(t.parent), np.int64)
+  for n in range(len(t.parent)):
     reached = 0
     for d in range(1, min(depth[n], len(cand.spec)) + 1):
       if rank[at_depth[n, d]] >= cand.spec[d - 1]:

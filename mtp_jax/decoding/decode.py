@@ -21,8 +21,9 @@ frozen) while the others go on. The rules of a cycle are pure functions: `accept
 `sampling.accept_sampled`. Randomness is per row (`sampling.row_keys`), so a row's samples do
 not depend on the rest of the batch. `Decoder` compiles the loop ahead of time for one batch
 shape (jax.jit caches the program). Tree drafts (`tree=`, greedy, parallel and projection
-heads): `mtp_jax.decoding.tree`. k="auto" / tree="auto": `choose`, by the cost model
-(`mtp_jax.decoding.costmodel`), decided once per shape (the one cache kept here, `_CHOICES`).
+heads): `mtp_jax.decoding.tree`. k="auto" / tree="auto": `Session.choose`, by the cost model
+(`mtp_jax.decoding.costmodel`), decided once per shape and kept on the `Session` (bounded).
+Errors name the parameter (`k: ...`); the CLIs name their flags (`cli.flag_error`).
 
 Sequential (DeepSeek-V3) heads decode in chain mode: depth j reads x_{t+j} where it is known
 (the prompt at prefill, the accepted drafts and the new token in a cycle: teacher forcing, as in
@@ -32,6 +33,7 @@ forward yields k-1 chained drafts at the last accepted position (`HeadKind.decod
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -53,7 +55,7 @@ log = logging.getLogger(__name__)
 
 def check_heads(args: ModelArgs, k: int) -> None:
   if not 1 <= k <= args.n_future:
-    raise ValueError(f"--heads: must be between 1 and the model's n_future ({args.n_future}), "
+    raise ValueError(f"k: must be between 1 and the model's n_future ({args.n_future}), "
                      f"got {k}")
 
 
@@ -106,13 +108,13 @@ class Decoder:
                stops=None, compiler_options: dict | None | str = "auto"):
     check_heads(args, k)
     if max_new_tokens < 1:
-      raise ValueError(f"--max_new_tokens: must be >= 1, got {max_new_tokens}")
+      raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     if prompt_len + max_new_tokens > args.max_len:
-      raise ValueError(f"--max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens "
+      raise ValueError(f"max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens "
                        f"({max_new_tokens}) exceeds the model's max_len ({args.max_len})")
     if tree is not None:
-      if tree.k != k or sampling or tree_lib.supports(args):
-        raise ValueError(f"--tree: {tree.name} needs greedy decoding with {tree.k} heads of a "
+      if tree.k != k or sampling or tree_lib.unsupported_reason(args):
+        raise ValueError(f"tree: {tree.name} needs greedy decoding with {tree.k} heads of a "
                          f"kind in {heads.tree_kinds()}")
     self.params, self.args = slice_heads(params, args, k)
     self.batch, self.prompt_len, self.max_new_tokens = batch, prompt_len, max_new_tokens
@@ -144,7 +146,7 @@ class Decoder:
     max_cycles: stop after that many verification forwards (a probe; default: none)."""
     sampling_lib.check(temperature, top_k, top_p, seed)
     if temperature > 0 and not self.sampling:
-      raise ValueError("--temperature: this Decoder was compiled for greedy decoding; build it "
+      raise ValueError("temperature: this Decoder was compiled for greedy decoding; build it "
                        "with sampling=True to sample")
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("prompt: every prompt needs at least one token")
@@ -167,7 +169,7 @@ class Decoder:
     tokens, n_out, cycles, rows_hist, forwards = map(np.asarray, out)
     hist = rows_hist.sum(0)
     if self.tree is not None:  # by deepest node -> by drafts accepted (the node's depth)
-      hist = np.bincount(self.tree.tables[1], weights=hist, minlength=self.k).astype(np.int64)
+      hist = np.bincount(self.tree.tables.depth, weights=hist, minlength=self.k).astype(np.int64)
     return DecodeResult(tokens=tokens, lengths=n_out, cycles=cycles, accepted_hist=hist,
                         forwards=int(forwards), seconds=seconds,
                         compile_seconds=self.compile_seconds, heads=self.k,
@@ -175,128 +177,183 @@ class Decoder:
 
 
 PROBE_CYCLES = 12  # cycles of the probe run that measures acceptance for "auto"
-_CHOICES: dict = {}  # (shape, mode, id(params)) -> what `choose` decided
+CACHE_SIZE = 32  # entries a Session keeps of each cache (the least recently used go first)
 
 
-def choose(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k, tree,
-           eos_id: int, pad_id: int, sample_kw: dict) -> dict:
-  """heads="auto" and/or tree="auto": the k (or tree) of highest predicted speed-up for this
-  call's batch, prompt width and mode (`mtp_jax.decoding.costmodel`), decided once per shape and
-  mode and cached. Returns {"heads", "tree" (a Tree or None), "S_predicted", "a_predicted",
-  "table", "probe", "seconds"} ("seconds": what deciding took, compilation of the probe
-  included; like compile time, apart from the decode's)."""
-  sampling = sample_kw.get("temperature", 0) > 0
-  batch, width = len(prompts), max(len(p) for p in prompts)
-  trees = tree == "auto" and not sampling and tree_lib.supports(args) is None
-  if tree == "auto" and not trees:
-    log.warning("--tree auto: %s; choosing among chains", "sampling uses the chain (no "
-                "lossless multi-draft rule here)" if sampling else tree_lib.supports(args))
-  n = args.n_future if k == "auto" else k
-  key = (args, batch, width, max_new_tokens, sampling, n, trees, id(params))
-  if key in _CHOICES:
-    return _CHOICES[key]
-  t0 = time.perf_counter()
-  cands = costmodel.candidates(n, trees)
-  if k != "auto":  # tree="auto" with k heads: plain, the chain of k, trees of <= k heads
-    cands = [c for c in cands if c.k == 1 or c.k == k or (c.k < k and max(c.spec) > 1)]
-  probe = costmodel.union(cands)
-  probe_tree = probe if trees else None
-  dec = Decoder(params, args, k=probe.k, batch=batch, prompt_len=width,
-                max_new_tokens=max_new_tokens, sampling=sampling, tree=probe_tree)
-  # Seconds per cycle: runs of PROBE_CYCLES and of PROBE_CYCLES // 3 cycles (the difference
-  # cancels the prefill and the call), the fastest of 3 interleaved rounds each.
-  runs = {c: [] for c in (PROBE_CYCLES // 3, PROBE_CYCLES)}
-  for _ in range(3):
-    for c, rs in runs.items():
-      rs.append(dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c, **sample_kw))
-  short, full = runs[PROBE_CYCLES // 3], runs[PROBE_CYCLES]
-  r = full[0]  # the acceptance histograms (every round decodes the same)
-  cycle_seconds = ((min(x.seconds for x in full) - min(x.seconds for x in short))
-                   / max(r.forwards - short[0].forwards, 1))
-  context = width + max_new_tokens // 2
+class _Bounded:
+  """At most `size` entries, the least recently used dropped first."""
 
-  times = costmodel.forward_times(params, args, [costmodel.chain(1), probe] + cands,
-                                  batch=batch, context=context)
-  # The loop's own cost (acceptance, drafting, cache bookkeeping) beyond the forward, measured on
-  # the probe: its seconds per cycle over its window's forward timed in a loop
-  # (`costmodel.forward_times`), applied to every speculative candidate (plain decoding's loop
-  # adds little: measured, docs/decoding.md).
-  loop_factor = max(1.0, cycle_seconds / times[probe])
-  seconds = lambda c: (times[costmodel.chain(1)], times[c] * (loop_factor if c.k > 1 else 1.0))
+  def __init__(self, size: int):
+    self.size, self._d = size, collections.OrderedDict()
 
-  picked = costmodel.choose(r.rows_hist, probe, cands, seconds)
-  best = picked.pop("tree")
-  out = dict(picked, heads=best.k, tree=best if len(best.spec) and max(best.spec) > 1 else None,
-             probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
-                    "tokens_per_forward": r.tokens_per_forward, "loop_factor": loop_factor,
-                    "cycle_seconds": cycle_seconds},
-             seconds=time.perf_counter() - t0)
-  _CHOICES[key] = out
-  return out
+  def get(self, key, make):
+    if key not in self._d:
+      self._d[key] = make()
+      if len(self._d) > self.size:
+        self._d.popitem(last=False)
+    self._d.move_to_end(key)
+    return self._d[key]
+
+  def __len__(self) -> int:
+    return len(self._d)
 
 
-def resolve(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k, tree,
-            eos_id: int, pad_id: int, temperature: float = 0.0, top_k: int = 0,
-            top_p: float = 1.0, seed: int = 0):
-  """What `decode` runs for these arguments: (k, Tree or None, the `choose` record or None).
-  Checks k and tree (one ValueError naming --heads or --tree); sampling and sequential heads
-  fall back from a tree to the chain with a logged reason."""
-  if k is None:
-    k = args.n_future
-  if k != "auto":
-    if isinstance(k, str) or not isinstance(k, (int, np.integer)):
-      raise ValueError(f"--heads: an integer 1..n_future ({args.n_future}) or auto, got {k!r}")
-    check_heads(args, int(k))
-  if tree is not None and tree != "auto":
-    tree = tree_lib.parse(tree, args.n_future)
-    if k not in ("auto", tree.k, args.n_future):
-      raise ValueError(f"--tree: {tree.name} uses heads 1..{tree.k}, but --heads is {k}")
-    k = tree.k
-    why = tree_lib.supports(args) or ("sampling uses the chain (no lossless multi-draft rule "
-                                      "here)" if temperature > 0 else None)
-    if why:
-      log.warning("--tree %s: %s; decoding with the chain of %d heads", tree.name, why, k)
-      tree = None
-  if isinstance(tree, tree_lib.Tree) and max(tree.spec) == 1:
-    tree = None  # a chain: the chain loop (it also samples)
-  auto = None
-  if k == "auto" or tree == "auto":
-    sample_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    auto = choose(params, args, prompts, max_new_tokens=max_new_tokens, k=k, tree=tree,
-                  eos_id=eos_id, pad_id=pad_id, sample_kw=sample_kw)
-    k, tree = auto["heads"], auto["tree"]
-    auto = {key: (v.name if isinstance(v, tree_lib.Tree) else v) for key, v in auto.items()}
-  return int(k), tree, auto
+class Session:
+  """Decoding with one model (params, args): what heads="auto" / tree="auto" decided (`choose`)
+  and what the cost model timed (`forward_times`), per shape and mode, kept for the session's
+  life (at most `cache_size` entries of each). The session holds the params it measured, so an
+  entry never outlives them or serves other params. A caller decoding many batches (pass@k)
+  keeps one session; `decode` / `resolve` / `choose` below use a fresh one per call."""
+
+  def __init__(self, params, args: ModelArgs, cache_size: int = CACHE_SIZE):
+    self.params, self.args = params, args
+    self._choices, self._forward = _Bounded(cache_size), _Bounded(cache_size)
+
+  def forward_times(self, trees: list, *, batch: int, context: int, reps: int = 11) -> dict:
+    """`costmodel.forward_times` of this session's model, timed once per shape."""
+    trees = list(dict.fromkeys(trees))
+    return self._forward.get((batch, context, tuple(trees), reps), lambda: costmodel.forward_times(
+        self.params, self.args, trees, batch=batch, context=context, reps=reps))
+
+  def choose(self, prompts: list, *, max_new_tokens: int, k, tree, eos_id: int, pad_id: int,
+             sample_kw: dict) -> dict:
+    """heads="auto" and/or tree="auto": the k (or tree) of highest predicted speed-up for this
+    call's batch, prompt width and mode (`mtp_jax.decoding.costmodel`), decided once per shape
+    and mode. Returns {"heads", "tree" (a Tree or None), "S_predicted", "a_predicted", "table",
+    "probe", "seconds"} ("seconds": what deciding took, compilation of the probe included; like
+    compile time, apart from the decode's)."""
+    args = self.args
+    sampling = sample_kw.get("temperature", 0) > 0
+    trees = tree == "auto" and not sampling and tree_lib.unsupported_reason(args) is None
+    if tree == "auto" and not trees:
+      log.warning("tree auto: %s; choosing among chains", "sampling uses the chain (no "
+                  "lossless multi-draft rule here)" if sampling
+                  else tree_lib.unsupported_reason(args))
+    n = args.n_future if k == "auto" else k
+    key = (len(prompts), max(len(p) for p in prompts), max_new_tokens, sampling, n, trees)
+    return self._choices.get(key, lambda: self._decide(
+        prompts, max_new_tokens=max_new_tokens, k=k, n=n, trees=trees, sampling=sampling,
+        eos_id=eos_id, pad_id=pad_id, sample_kw=sample_kw))
+
+  def _decide(self, prompts, *, max_new_tokens, k, n, trees, sampling, eos_id, pad_id,
+              sample_kw) -> dict:
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    t0 = time.perf_counter()
+    cands = costmodel.candidates(n, trees)
+    if k != "auto":  # tree="auto" with k heads: plain, the chain of k, trees of <= k heads
+      cands = [c for c in cands if c.k == 1 or c.k == k or (c.k < k and max(c.spec) > 1)]
+    probe = costmodel.union(cands)
+    probe_tree = probe if trees else None
+    dec = Decoder(self.params, self.args, k=probe.k, batch=batch, prompt_len=width,
+                  max_new_tokens=max_new_tokens, sampling=sampling, tree=probe_tree)
+    # Seconds per cycle: runs of PROBE_CYCLES and of PROBE_CYCLES // 3 cycles (the difference
+    # cancels the prefill and the call), the fastest of 3 interleaved rounds each.
+    runs = {c: [] for c in (PROBE_CYCLES // 3, PROBE_CYCLES)}
+    for _ in range(3):
+      for c, rs in runs.items():
+        rs.append(dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c, **sample_kw))
+    short, full = runs[PROBE_CYCLES // 3], runs[PROBE_CYCLES]
+    r = full[0]  # the acceptance histograms (every round decodes the same)
+    cycle_seconds = ((min(x.seconds for x in full) - min(x.seconds for x in short))
+                     / max(r.forwards - short[0].forwards, 1))
+    context = width + max_new_tokens // 2
+
+    times = self.forward_times([costmodel.chain(1), probe] + cands, batch=batch,
+                               context=context)
+    # The loop's own cost (acceptance, drafting, cache bookkeeping) beyond the forward, measured
+    # on the probe: its seconds per cycle over its window's forward timed in a loop
+    # (`costmodel.forward_times`), applied to every speculative candidate (plain decoding's loop
+    # adds little: measured, docs/decoding.md).
+    loop_factor = max(1.0, cycle_seconds / times[probe])
+    seconds = lambda c: (times[costmodel.chain(1)], times[c] * (loop_factor if c.k > 1 else 1.0))
+
+    picked = costmodel.choose(r.rows_hist, probe, cands, seconds)
+    best = picked.pop("tree")
+    return dict(picked, heads=best.k,
+                tree=best if len(best.spec) and max(best.spec) > 1 else None,
+                probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
+                       "tokens_per_forward": r.tokens_per_forward, "loop_factor": loop_factor,
+                       "cycle_seconds": cycle_seconds},
+                seconds=time.perf_counter() - t0)
+
+  def resolve(self, prompts: list, *, max_new_tokens: int, k, tree, eos_id: int, pad_id: int,
+              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):
+    """What `decode` runs for these arguments: (k, Tree or None, the `choose` record or None).
+    Checks k and tree (one ValueError naming k or tree); sampling and sequential heads fall
+    back from a tree to the chain with a logged reason."""
+    args = self.args
+    if k is None:
+      k = args.n_future
+    if k != "auto":
+      if isinstance(k, str) or not isinstance(k, (int, np.integer)):
+        raise ValueError(f"k: an integer 1..n_future ({args.n_future}) or auto, got {k!r}")
+      check_heads(args, int(k))
+    if tree is not None and tree != "auto":
+      tree = tree_lib.parse(tree, args.n_future)
+      if k not in ("auto", tree.k, args.n_future):
+        raise ValueError(f"tree: {tree.name} uses heads 1..{tree.k}, but k is {k}")
+      k = tree.k
+      why = tree_lib.unsupported_reason(args) or (
+          "sampling uses the chain (no lossless multi-draft rule here)" if temperature > 0
+          else None)
+      if why:
+        log.warning("tree %s: %s; decoding with the chain of %d heads", tree.name, why, k)
+        tree = None
+    if isinstance(tree, tree_lib.Tree) and max(tree.spec) == 1:
+      tree = None  # a chain: the chain loop (it also samples)
+    auto = None
+    if k == "auto" or tree == "auto":
+      sample_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+      auto = self.choose(prompts, max_new_tokens=max_new_tokens, k=k, tree=tree, eos_id=eos_id,
+                         pad_id=pad_id, sample_kw=sample_kw)
+      k, tree = auto["heads"], auto["tree"]
+      auto = {key: (v.name if isinstance(v, tree_lib.Tree) else v) for key, v in auto.items()}
+    return int(k), tree, auto
+
+  def decode(self, prompts: list, *, max_new_tokens: int, k=None, eos_id: int, pad_id: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             tree=None, stops=None) -> DecodeResult:
+    """Decodes a batch of token-id prompts (ragged lists) with heads 1..k; k = 1 is plain
+    decoding with head 1 (None: all heads). temperature 0: greedy (top_k, top_p, seed unused);
+    > 0: sampling with temperature, then top_k (0 = off), then top_p (1 = off), row b seeded by
+    (seed, b); with k > 1 speculative sampling, distributed exactly as plain sampling.
+    num_samples samples of a prompt: `repeat(prompts, num_samples)`. stops: a `stops.Matcher`;
+    a row also ends once its text's cut at a stop sequence is decided (the tokens up to there
+    are those of a full-length decode).
+
+    k="auto": the k of highest predicted speed-up for this batch (`choose`; plain decoding where
+    speculation would lose). tree: a spec such as "4,2,1" (`mtp_jax.decoding.tree`; its levels
+    + 1 heads) or "auto" (a tree, or a chain, chosen the same way); sampling and sequential
+    heads fall back to the chain, with a logged reason. The result's `heads`, `tree` and `auto`
+    say what ran."""
+    sampling_lib.check(temperature, top_k, top_p, seed)
+    if not prompts or any(len(p) == 0 for p in prompts):
+      raise ValueError("prompt: every prompt needs at least one token")
+    kw = dict(eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p,
+              seed=seed)
+    k, tree, auto = self.resolve(prompts, max_new_tokens=max_new_tokens, k=k, tree=tree, **kw)
+    decoder = Decoder(self.params, self.args, k=k, batch=len(prompts),
+                      prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
+                      sampling=temperature > 0, tree=tree, stops=stops)
+    result = decoder(prompts, **kw)
+    result.auto = auto
+    return result
 
 
-def decode(params, args: ModelArgs, prompts: list, *, max_new_tokens: int, k=None,
-           eos_id: int, pad_id: int, temperature: float = 0.0, top_k: int = 0,
-           top_p: float = 1.0, seed: int = 0, tree=None, stops=None) -> DecodeResult:
-  """Decodes a batch of token-id prompts (ragged lists) with heads 1..k; k = 1 is plain
-  decoding with head 1 (None: all heads). temperature 0: greedy (top_k, top_p, seed unused); > 0:
-  sampling with temperature, then top_k (0 = off), then top_p (1 = off), row b seeded by
-  (seed, b); with k > 1 speculative sampling, distributed exactly as plain sampling.
-  num_samples samples of a prompt: `repeat(prompts, num_samples)`. stops: a `stops.Matcher`;
-  a row also ends once its text's cut at a stop sequence is decided (the tokens up to there are
-  those of a full-length decode).
+def choose(params, args: ModelArgs, prompts: list, **kw) -> dict:
+  """`Session.choose` with a fresh session."""
+  return Session(params, args).choose(prompts, **kw)
 
-  k="auto": the k of highest predicted speed-up for this batch (`choose`; plain decoding where
-  speculation would lose). tree: a spec such as "4,2,1" (`mtp_jax.decoding.tree`; its levels + 1
-  heads) or "auto" (a tree, or a chain, chosen the same way); sampling and sequential heads fall
-  back to the chain, with a logged reason. The result's `heads`, `tree` and `auto` say what ran."""
-  sampling_lib.check(temperature, top_k, top_p, seed)
-  if not prompts or any(len(p) == 0 for p in prompts):
-    raise ValueError("prompt: every prompt needs at least one token")
-  kw = dict(eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed)
-  k, tree, auto = resolve(params, args, prompts, max_new_tokens=max_new_tokens, k=k, tree=tree,
-                          **kw)
-  decoder = Decoder(params, args, k=k, batch=len(prompts),
-                    prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
-                    sampling=temperature > 0, tree=tree, stops=stops)
-  result = decoder(prompts, **kw)
-  result.auto = auto
-  return result
+
+def resolve(params, args: ModelArgs, prompts: list, **kw):
+  """`Session.resolve` with a fresh session."""
+  return Session(params, args).resolve(prompts, **kw)
+
+
+def decode(params, args: ModelArgs, prompts: list, **kw) -> DecodeResult:
+  """`Session.decode` with a fresh session (k="auto" decides anew: keep a `Session` to decide
+  once per shape over many calls)."""
+  return Session(params, args).decode(prompts, **kw)
 
 
 def plain(params, args: ModelArgs, prompts: list, **kw) -> DecodeResult:
@@ -309,5 +366,5 @@ def repeat(prompts: list, num_samples: int) -> list:
   """Each prompt num_samples times in a row (rows i * num_samples + s, s < num_samples): the
   batch that draws num_samples independent samples of every prompt (pass@k)."""
   if not isinstance(num_samples, int) or num_samples < 1:
-    raise ValueError(f"--num_samples: must be an integer >= 1, got {num_samples!r}")
+    raise ValueError(f"num_samples: must be an integer >= 1, got {num_samples!r}")
   return [p for p in prompts for _ in range(num_samples)]

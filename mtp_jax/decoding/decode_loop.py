@@ -1,7 +1,9 @@
 """The compiled loop of chain decoding (`mtp_jax.decoding.decode` documents the method): one jit,
-lax.while_loop over a `DecodeState`, static shapes, per-row lengths; the greedy acceptance rule
-of a cycle (`accept_greedy`) and what a row gains (`gain`), shared with the tree loop
-(`mtp_jax.decoding.tree`).
+lax.while_loop over a `DecodeState`, static shapes, per-row lengths; a greedy cycle
+(`greedy_cycle`) and a sampled one (`sampled_cycle`). Shared with the tree loop
+(`mtp_jax.decoding.tree`): the greedy acceptance rule of a cycle (`accept_greedy`), what a row
+gains (`gain`), the first state (`start`), the state after a cycle (`commit`) and the loop
+(`run`).
 
 `max_cycles` (traced) stops the loop after that many verification forwards whatever the rows'
 state: the same compiled program serves a short probe (`mtp_jax.decoding.costmodel`) and a full run.
@@ -9,7 +11,9 @@ state: the same compiled program serves a short probe (`mtp_jax.decoding.costmod
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -17,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax import heads
+from mtp_jax.heads import head_logits
 from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.decoding import stops as stops_lib
 from mtp_jax.model_args import ModelArgs
@@ -76,70 +81,13 @@ class DecodeState:
   stop: Any = None  # stops.StopState when decoding with stop sequences (else None)
 
 
-def draft_dists(h_kxBxSxD, W_DxV, slot_B, sp):
-  """[B, k-1, V]: heads 2..k's sampling distributions at each row's slot (logits as
-  heads/sequential.py computes them, so a sequential chain draws the same drafts)."""
-  rows_B = jnp.arange(slot_B.shape[0])
-  if h_kxBxSxD.shape[0] == 1:
-    return jnp.zeros((slot_B.shape[0], 0, W_DxV.shape[1]), jnp.float32)
-  return jnp.stack([sampling_lib.probs(sampling_lib.head_logits(h_BxSxD, W_DxV)[rows_B, slot_B],
-                                       sp) for h_BxSxD in h_kxBxSxD[1:]], axis=1)
-
-
-@functools.partial(jax.jit, static_argnames=("args", "max_new_tokens", "sample"))
-def decode_chain(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max_cycles,
-                 stop_m=None, *, args: ModelArgs, max_new_tokens: int, sample: bool):
-  params, args = unrolled(params, args)  # the layers' weights sliced once, not per cycle
-  model = MTPModel(args)
-  chain_reads = heads.KINDS[args.head_kind].decode_reads  # what the heads read (None: nothing)
-  k = args.n_future
-  B, P = prompt_BxP.shape
-  D = max(k - 1, 1)
-  rows_B = jnp.arange(B)
-  W_DxV = unembedding(params, args)[:, :args.vocab_size]  # real ids only: a pad id never wins
-  cache = init_decode_cache(args, B, P + max_new_tokens + k, dtype=args.dtype)
-  apply = lambda toks, pos, c, reads: model.apply(
-      {"params": params}, toks, positions_BxS=pos, cache=c, decoding=True, reads=reads)
-  keys_B = sampling_lib.row_keys(seed, B) if sample else None
-  last_P_B = prompt_len_B - 1
-  sp_chain = sp if sample else None
-  # Uniforms of a cycle (and of prefill, at the prompt's last position): [:, :k-1] accept the
-  # drafts, [:, k-1] draws the next token, [:, k:] draw the next drafts.
-  u0_BxU = sampling_lib.uniforms(keys_B, last_P_B, 2 * k - 1) if sample else None
-
-  def first_token(h1_BxD):
-    lg_BxV = sampling_lib.head_logits(h1_BxD[:, None], W_DxV)[:, 0]
-    if not sample:
-      return jnp.argmax(lg_BxV, axis=-1).astype(jnp.int32)
-    return sampling_lib.draw(sampling_lib.probs(lg_BxV, sp), u0_BxU[:, k - 1])
-
-  # Prefill: the padded prompt at positions 0..P-1; each row reads its heads at len - 1.
-  # Slots past a row's length hold pad states that the causal mask never shows it. Sequential
-  # depths read the prompt itself (then the first token), as in training.
-  def prefill_known(h1_BxPxD):
-    first_B = first_token(h1_BxPxD[rows_B, last_P_B])
-    after_BxP = jnp.concatenate([prompt_BxP[:, 1:], prompt_BxP[:, :1]], axis=1)
-    after_BxP = jnp.where(jnp.arange(P) == last_P_B[:, None], first_B[:, None], after_BxP)
-    return after_BxP, last_P_B
-
-  slots_BxN = jnp.maximum(last_P_B[:, None] - jnp.arange(D)[::-1], 0)
-  reads = chain_reads(prefill_known, W_DxV, sp_chain, u0_BxU[:, k:].T if sample else None,
-                      slots_BxN)
-  h_kxBxPxD, cache = apply(prompt_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache, reads)
-  if sample:
-    first_B = first_token(h_kxBxPxD[0, rows_B, last_P_B])
-    h_kxBxNxD = jnp.take_along_axis(h_kxBxPxD, slots_BxN[None, :, :, None], axis=2)
-    q_BxK1xV = draft_dists(h_kxBxNxD, W_DxV, jnp.full((B,), D - 1), sp)
-    drafts_BxK1 = sampling_lib.draw(q_BxK1xV, u0_BxU[:, k:])
-  else:
-    h_kxBxD = h_kxBxPxD[:, rows_B, last_P_B]
-    tok_kxB = jnp.argmax(logits(params, args, h_kxBxD[:, :, None])[:, :, 0], axis=-1)
-    first_B = tok_kxB[0].astype(jnp.int32)
-    drafts_BxK1, q_BxK1xV = tok_kxB[1:].T.astype(jnp.int32), None
-  M = max_new_tokens + k
-  state = DecodeState(
+def start(cache, first_B, drafts_BxK1, q_BxK1xV, prompt_len_B, *, pad_id, eos_id,
+          max_new_tokens: int, k: int, hist: int) -> DecodeState:
+  """The state after prefill: each row's first token out, `hist` histogram bins per row."""
+  B = first_B.shape[0]
+  return DecodeState(
       cache=cache,
-      out_BxM=jnp.full((B, M), pad_id, jnp.int32).at[:, 0].set(first_B),
+      out_BxM=jnp.full((B, max_new_tokens + k), pad_id, jnp.int32).at[:, 0].set(first_B),
       n_out_B=jnp.ones((B,), jnp.int32),
       pos_B=prompt_len_B.astype(jnp.int32),
       last_B=first_B,
@@ -147,71 +95,214 @@ def decode_chain(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max
       q_BxK1xV=q_BxK1xV,
       done_B=(first_B == eos_id) | (max_new_tokens <= 1),
       cycles_B=jnp.zeros((B,), jnp.int32),
-      hist_BxX=jnp.zeros((B, k), jnp.int32),
+      hist_BxX=jnp.zeros((B, hist), jnp.int32),
       forwards=jnp.ones((), jnp.int32),
   )
-  if stop_m is not None:  # stop sequences: a row is done once its cut is decided (stops.py)
-    stop = stops_lib.feed(stop_m, stops_lib.init(B), first_B[:, None], jnp.ones((B,), jnp.int32))
-    state = state.replace(stop=stop, done_B=state.done_B | stops_lib.finished(stop_m, stop))
-  j_K = jnp.arange(k)
 
-  def cycle(s: DecodeState) -> DecodeState:
-    window_BxK = jnp.concatenate([s.last_B[:, None], s.drafts_BxK1], axis=1)
-    active_B = ~s.done_B
-    budget_B = jnp.where(active_B, max_new_tokens - s.n_out_B, 0)
-    if sample:
-      u_BxU = sampling_lib.uniforms(keys_B, s.pos_B, 2 * k - 1)
 
-      def rule(h1_BxKxD):  # head 1's p, then the acceptance rule: (m accepted, next token)
-        p_BxKxV = sampling_lib.probs(sampling_lib.head_logits(h1_BxKxD, W_DxV), sp)
-        return sampling_lib.accept_sampled(s.drafts_BxK1, p_BxKxV, s.q_BxK1xV, u_BxU[:, :k])
+def budget(s: DecodeState, max_new_tokens: int) -> jax.Array:
+  """[B] tokens each row may still emit this cycle (0 for a finished row)."""
+  return jnp.where(~s.done_B, max_new_tokens - s.n_out_B, 0)
 
-      def known(h1_BxKxD):
-        m_B, next_B = rule(h1_BxKxD)
-        return sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B), m_B
 
-      reads = chain_reads(known, W_DxV, sp, u_BxU[:, k:].T)
-      h_kxBxKxD, cache = apply(window_BxK, s.pos_B[:, None] + j_K, s.cache, reads)
-      m_B, next_B = rule(h_kxBxKxD[0])
-      out_BxK = sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B)
-      acc = gain(out_BxK, m_B, s.last_B, eos_id, budget_B)
-      q_BxK1xV = draft_dists(h_kxBxKxD, W_DxV, acc.drafts_B, sp)
-      new_drafts_BxK1 = sampling_lib.draw(q_BxK1xV, u_BxU[:, k:])
-      q_BxK1xV = jnp.where(active_B[:, None, None], q_BxK1xV, s.q_BxK1xV)
-    else:
-      def known(h1_BxKxD):
-        g_BxK = jnp.argmax(sampling_lib.head_logits(h1_BxKxD, W_DxV), axis=-1).astype(jnp.int32)
-        return g_BxK, accept_greedy(s.drafts_BxK1, g_BxK, s.last_B, eos_id, budget_B).drafts_B
+def commit(s: DecodeState, acc: Accepted, out_BxK, cache, drafts_BxK1, hist_B, *,
+           max_new_tokens: int, q_BxK1xV=None, stop_m=None) -> DecodeState:
+  """The state after a cycle (chain or tree): the row's gained tokens out_BxK[:, :acc.new_B]
+  written, its length, position and newest token advanced, the next drafts (and, sampling, their
+  distributions) kept, bin hist_B of its histogram counted; finished rows keep their state. With
+  stop sequences (stop_m), the gained tokens are fed and a row whose cut is decided is done."""
+  active_B = ~s.done_B
+  rows_B = jnp.arange(out_BxK.shape[0])
+  j_K = jnp.arange(out_BxK.shape[1])
+  idx_BxK = jnp.where(j_K < acc.new_B[:, None], s.n_out_B[:, None] + j_K, s.out_BxM.shape[1])
+  n_out_B = s.n_out_B + acc.new_B
+  stop, stopped_B = s.stop, False
+  if stop_m is not None:
+    stop = stops_lib.feed(stop_m, s.stop, out_BxK, acc.new_B)
+    stopped_B = stops_lib.finished(stop_m, stop)
+  if q_BxK1xV is not None:
+    q_BxK1xV = jnp.where(active_B[:, None, None], q_BxK1xV, s.q_BxK1xV)
+  return DecodeState(
+      cache=cache,
+      out_BxM=s.out_BxM.at[rows_B[:, None], idx_BxK].set(out_BxK, mode="drop"),
+      n_out_B=n_out_B, pos_B=s.pos_B + acc.new_B, last_B=acc.last_B,
+      drafts_BxK1=jnp.where(active_B[:, None], drafts_BxK1, s.drafts_BxK1),
+      q_BxK1xV=q_BxK1xV,
+      done_B=s.done_B | (active_B & (acc.eos_B | (n_out_B >= max_new_tokens) | stopped_B)),
+      cycles_B=s.cycles_B + active_B,
+      hist_BxX=s.hist_BxX + (jax.nn.one_hot(hist_B, s.hist_BxX.shape[1], dtype=jnp.int32)
+                             * active_B[:, None]),
+      forwards=s.forwards + 1, stop=stop)
 
-      reads = chain_reads(known, W_DxV, None)
-      h_kxBxKxD, cache = apply(window_BxK, s.pos_B[:, None] + j_K, s.cache, reads)
-      g_BxK = jnp.argmax(sampling_lib.head_logits(h_kxBxKxD[0], W_DxV),
-                         axis=-1).astype(jnp.int32)
-      acc = accept_greedy(s.drafts_BxK1, g_BxK, s.last_B, eos_id, budget_B)
-      out_BxK = g_BxK
-      # Heads 2..k at the last accepted slot propose the next drafts (unembedded there only).
-      h_kxBxD = h_kxBxKxD[1:, rows_B, acc.drafts_B]
-      new_drafts_BxK1 = jnp.argmax(logits(params, args, h_kxBxD[:, :, None])[:, :, 0],
-                                   axis=-1).T.astype(jnp.int32)
-      q_BxK1xV = None
-    idx_BxK = jnp.where(j_K < acc.new_B[:, None], s.n_out_B[:, None] + j_K, M)
-    n_out_B = s.n_out_B + acc.new_B
-    stop, stopped_B = s.stop, False
-    if stop_m is not None:
-      stop = stops_lib.feed(stop_m, s.stop, out_BxK, acc.new_B)
-      stopped_B = stops_lib.finished(stop_m, stop)
-    return DecodeState(
-        cache=cache,
-        out_BxM=s.out_BxM.at[rows_B[:, None], idx_BxK].set(out_BxK, mode="drop"),
-        n_out_B=n_out_B, pos_B=s.pos_B + acc.new_B, last_B=acc.last_B,
-        drafts_BxK1=jnp.where(active_B[:, None], new_drafts_BxK1, s.drafts_BxK1),
-        q_BxK1xV=q_BxK1xV,
-        done_B=s.done_B | (active_B & (acc.eos_B | (n_out_B >= max_new_tokens) | stopped_B)),
-        cycles_B=s.cycles_B + active_B,
-        hist_BxX=s.hist_BxX + (jax.nn.one_hot(acc.drafts_B, k, dtype=jnp.int32)
-                               * active_B[:, None]),
-        forwards=s.forwards + 1, stop=stop)
 
+def run(cycle, state: DecodeState, max_cycles, max_new_tokens: int):
+  """The loop: cycles until every row is done or max_cycles verification forwards ran; returns
+  (tokens [B, max_new_tokens], lengths, cycles per row, histogram per row, forwards)."""
   s = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B) & (s.forwards <= max_cycles), cycle,
                          state)
   return s.out_BxM[:, :max_new_tokens], s.n_out_B, s.cycles_B, s.hist_BxX, s.forwards
+
+
+def draft_dists(h_kxBxSxD, W_DxV, slot_B, sp):
+  """[B, k-1, V]: heads 2..k's sampling distributions at each row's slot (logits as
+  heads/sequential.py computes them, so a sequential chain draws the same drafts)."""
+  rows_B = jnp.arange(slot_B.shape[0])
+  if h_kxBxSxD.shape[0] == 1:
+    return jnp.zeros((slot_B.shape[0], 0, W_DxV.shape[1]), jnp.float32)
+  return jnp.stack([sampling_lib.probs(head_logits(h_BxSxD, W_DxV)[rows_B, slot_B], sp)
+                    for h_BxSxD in h_kxBxSxD[1:]], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+  """What the chain loop's steps read, fixed for one trace: the (unrolled) params and args, the
+  model call, the unembedding, the head kind's `decode_reads`, EOS, the budget, stops."""
+  params: Any
+  args: ModelArgs
+  apply: Callable  # (tokens, positions, cache, reads) -> (h_kxBxSxD, cache)
+  W_DxV: jax.Array
+  reads: Callable  # HeadKind.decode_reads (returns None for heads that read no tokens)
+  eos_id: jax.Array
+  max_new_tokens: int
+  stop_m: Any = None
+
+  @property
+  def k(self) -> int:
+    return self.args.n_future
+
+
+def prefill(c: Chain, cache, prompt_BxP, prompt_len_B, first_token, pick, u_DxB):
+  """The padded prompt at positions 0..P-1, each row reading its heads at len - 1; slots past a
+  row's length hold pad states that the causal mask never shows it. Sequential depths read the
+  prompt itself (then the first token, `first_token(h1_BxD)`), as in training, and draft with
+  `pick` (None: argmax) at the prompt's last k - 1 positions. Returns (h_kxBxPxD, cache, those
+  positions [B, max(k - 1, 1)])."""
+  B, P = prompt_BxP.shape
+  rows_B = jnp.arange(B)
+  last_P_B = prompt_len_B - 1
+
+  def known(h1_BxPxD):
+    first_B = first_token(h1_BxPxD[rows_B, last_P_B])
+    after_BxP = jnp.concatenate([prompt_BxP[:, 1:], prompt_BxP[:, :1]], axis=1)
+    after_BxP = jnp.where(jnp.arange(P) == last_P_B[:, None], first_B[:, None], after_BxP)
+    return after_BxP, last_P_B
+
+  slots_BxN = jnp.maximum(last_P_B[:, None] - jnp.arange(max(c.k - 1, 1))[::-1], 0)
+  reads = c.reads(known, c.W_DxV, pick, u_DxB, slots_BxN)
+  h_kxBxPxD, cache = c.apply(prompt_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache, reads)
+  return h_kxBxPxD, cache, slots_BxN
+
+
+def greedy_start(c: Chain, cache, prompt_BxP, prompt_len_B):
+  """Greedy prefill: (first token [B], drafts [B, k-1], None, cache)."""
+  rows_B, last_P_B = jnp.arange(prompt_BxP.shape[0]), prompt_len_B - 1
+  first_token = lambda h1_BxD: jnp.argmax(head_logits(h1_BxD[:, None], c.W_DxV)[:, 0],
+                                          axis=-1).astype(jnp.int32)
+  h_kxBxPxD, cache, _ = prefill(c, cache, prompt_BxP, prompt_len_B, first_token, None, None)
+  h_kxBxD = h_kxBxPxD[:, rows_B, last_P_B]
+  tok_kxB = jnp.argmax(logits(c.params, c.args, h_kxBxD[:, :, None])[:, :, 0], axis=-1)
+  return tok_kxB[0].astype(jnp.int32), tok_kxB[1:].T.astype(jnp.int32), None, cache
+
+
+def greedy_cycle(c: Chain, s: DecodeState) -> DecodeState:
+  """A greedy cycle: the window [last, drafts] verified by head 1's argmax (`accept_greedy`);
+  heads 2..k at the last accepted slot propose the next drafts (unembedded there only)."""
+  k, rows_B = c.k, jnp.arange(s.last_B.shape[0])
+  window_BxK = jnp.concatenate([s.last_B[:, None], s.drafts_BxK1], axis=1)
+  budget_B = budget(s, c.max_new_tokens)
+
+  def known(h1_BxKxD):
+    g_BxK = jnp.argmax(head_logits(h1_BxKxD, c.W_DxV), axis=-1).astype(jnp.int32)
+    return g_BxK, accept_greedy(s.drafts_BxK1, g_BxK, s.last_B, c.eos_id, budget_B).drafts_B
+
+  reads = c.reads(known, c.W_DxV, None)
+  h_kxBxKxD, cache = c.apply(window_BxK, s.pos_B[:, None] + jnp.arange(k), s.cache, reads)
+  g_BxK = jnp.argmax(head_logits(h_kxBxKxD[0], c.W_DxV), axis=-1).astype(jnp.int32)
+  acc = accept_greedy(s.drafts_BxK1, g_BxK, s.last_B, c.eos_id, budget_B)
+  h_kxBxD = h_kxBxKxD[1:, rows_B, acc.drafts_B]
+  drafts_BxK1 = jnp.argmax(logits(c.params, c.args, h_kxBxD[:, :, None])[:, :, 0],
+                           axis=-1).T.astype(jnp.int32)
+  return commit(s, acc, g_BxK, cache, drafts_BxK1, acc.drafts_B,
+                max_new_tokens=c.max_new_tokens, stop_m=c.stop_m)
+
+
+# Sampling: the uniforms of a cycle (and of prefill, at the prompt's last position), per row:
+# [:, :k-1] accept the drafts, [:, k-1] draws the next token, [:, k:] draw the next drafts.
+
+def sampled_start(c: Chain, cache, prompt_BxP, prompt_len_B, sp, keys_B):
+  """Sampled prefill: (first token [B], drafts [B, k-1], their distributions, cache)."""
+  k, B = c.k, prompt_BxP.shape[0]
+  rows_B, last_P_B = jnp.arange(B), prompt_len_B - 1
+  u0_BxU = sampling_lib.uniforms(keys_B, last_P_B, 2 * k - 1)
+
+  def first_token(h1_BxD):
+    lg_BxV = head_logits(h1_BxD[:, None], c.W_DxV)[:, 0]
+    return sampling_lib.draw(sampling_lib.probs(lg_BxV, sp), u0_BxU[:, k - 1])
+
+  h_kxBxPxD, cache, slots_BxN = prefill(c, cache, prompt_BxP, prompt_len_B, first_token,
+                                        sampling_lib.picker(sp), u0_BxU[:, k:].T)
+  first_B = first_token(h_kxBxPxD[0, rows_B, last_P_B])
+  h_kxBxNxD = jnp.take_along_axis(h_kxBxPxD, slots_BxN[None, :, :, None], axis=2)
+  q_BxK1xV = draft_dists(h_kxBxNxD, c.W_DxV, jnp.full((B,), slots_BxN.shape[1] - 1), sp)
+  return first_B, sampling_lib.draw(q_BxK1xV, u0_BxU[:, k:]), q_BxK1xV, cache
+
+
+def sampled_cycle(c: Chain, sp, keys_B, s: DecodeState) -> DecodeState:
+  """A sampled cycle: head 1's p verifies the drafts by the speculative sampling rule
+  (`sampling.accept_sampled`); heads 2..k at the last accepted slot draw the next drafts from
+  their own distributions q."""
+  k = c.k
+  window_BxK = jnp.concatenate([s.last_B[:, None], s.drafts_BxK1], axis=1)
+  budget_B = budget(s, c.max_new_tokens)
+  u_BxU = sampling_lib.uniforms(keys_B, s.pos_B, 2 * k - 1)
+
+  def rule(h1_BxKxD):  # head 1's p, then the acceptance rule: (m accepted, next token)
+    p_BxKxV = sampling_lib.probs(head_logits(h1_BxKxD, c.W_DxV), sp)
+    return sampling_lib.accept_sampled(s.drafts_BxK1, p_BxKxV, s.q_BxK1xV, u_BxU[:, :k])
+
+  def known(h1_BxKxD):
+    m_B, next_B = rule(h1_BxKxD)
+    return sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B), m_B
+
+  reads = c.reads(known, c.W_DxV, sampling_lib.picker(sp), u_BxU[:, k:].T)
+  h_kxBxKxD, cache = c.apply(window_BxK, s.pos_B[:, None] + jnp.arange(k), s.cache, reads)
+  m_B, next_B = rule(h_kxBxKxD[0])
+  out_BxK = sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B)
+  acc = gain(out_BxK, m_B, s.last_B, c.eos_id, budget_B)
+  q_BxK1xV = draft_dists(h_kxBxKxD, c.W_DxV, acc.drafts_B, sp)
+  drafts_BxK1 = sampling_lib.draw(q_BxK1xV, u_BxU[:, k:])
+  return commit(s, acc, out_BxK, cache, drafts_BxK1, acc.drafts_B,
+                max_new_tokens=c.max_new_tokens, q_BxK1xV=q_BxK1xV, stop_m=c.stop_m)
+
+
+@functools.partial(jax.jit, static_argnames=("args", "max_new_tokens", "sample"))
+def decode_chain(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max_cycles,
+                 stop_m=None, *, args: ModelArgs, max_new_tokens: int, sample: bool):
+  """Chain decoding, greedy or (sample) sampled; returns (tokens [B, max_new_tokens], lengths,
+  cycles per row, histogram of drafts accepted per row [B, k], forwards)."""
+  params, args = unrolled(params, args)  # the layers' weights sliced once, not per cycle
+  model = MTPModel(args)
+  B, P = prompt_BxP.shape
+  k = args.n_future
+  c = Chain(params=params, args=args,
+            apply=lambda toks, pos, cache, reads: model.apply(
+                {"params": params}, toks, positions_BxS=pos, cache=cache, decoding=True,
+                reads=reads),
+            W_DxV=unembedding(params, args)[:, :args.vocab_size],  # a pad id never wins
+            reads=heads.KINDS[args.head_kind].decode_reads, eos_id=eos_id,
+            max_new_tokens=max_new_tokens, stop_m=stop_m)
+  cache = init_decode_cache(args, B, P + max_new_tokens + k, dtype=args.dtype)
+  if sample:
+    keys_B = sampling_lib.row_keys(seed, B)
+    first = sampled_start(c, cache, prompt_BxP, prompt_len_B, sp, keys_B)
+    cycle = functools.partial(sampled_cycle, c, sp, keys_B)
+  else:
+    first = greedy_start(c, cache, prompt_BxP, prompt_len_B)
+    cycle = functools.partial(greedy_cycle, c)
+  first_B, drafts_BxK1, q_BxK1xV, cache = first
+  state = start(cache, first_B, drafts_BxK1, q_BxK1xV, prompt_len_B, pad_id=pad_id,
+                eos_id=eos_id, max_new_tokens=max_new_tokens, k=k, hist=k)
+  if stop_m is not None:  # stop sequences: a row is done once its cut is decided (stops.py)
+    stop = stops_lib.feed(stop_m, stops_lib.init(B), first_B[:, None], jnp.ones((B,), jnp.int32))
+    state = state.replace(stop=stop, done_B=state.done_B | stops_lib.finished(stop_m, stop))
+  return run(cycle, state, max_cycles, max_new_tokens)

@@ -25,25 +25,18 @@ class Settings(NamedTuple):
 
 
 def check(temperature: float, top_k: int, top_p: float, seed: int) -> None:
-  """One line naming the flag, raised where the values enter (decode, the CLIs)."""
+  """One line naming the parameter, raised where the values enter (decode, the CLIs, which name
+  their flags: `cli.flag_error`)."""
   if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
           and temperature >= 0):
-    raise ValueError(f"--temperature: must be a finite number >= 0 (0 = greedy), got "
+    raise ValueError(f"temperature: must be a finite number >= 0 (0 = greedy), got "
                      f"{temperature!r}")
   if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-    raise ValueError(f"--top_p: must be in (0, 1] (1 = off), got {top_p!r}")
+    raise ValueError(f"top_p: must be in (0, 1] (1 = off), got {top_p!r}")
   if not (isinstance(top_k, int) and top_k >= 0):
-    raise ValueError(f"--top_k: must be an integer >= 0 (0 = off), got {top_k!r}")
+    raise ValueError(f"top_k: must be an integer >= 0 (0 = off), got {top_k!r}")
   if not (isinstance(seed, int) and 0 <= seed < 2**31):
-    raise ValueError(f"--seed: must be an integer in [0, 2**31), got {seed!r}")
-
-
-def head_logits(h_BxSxD, unembed_DxV) -> jax.Array:
-  """f32 logits of one head's states: the same op wherever a token is drawn from them, so the
-  sequential chain (heads/sequential.py) and the decoder draw the same draft from the same
-  uniform."""
-  return jnp.einsum("bsd,dv->bsv", h_BxSxD, unembed_DxV.astype(h_BxSxD.dtype),
-                    preferred_element_type=jnp.float32)
+    raise ValueError(f"seed: must be an integer in [0, 2**31), got {seed!r}")
 
 
 PREFILTER = 64  # truncation looks at the most likely tokens first (see `probs`)
@@ -109,6 +102,12 @@ def draw(p_xV, u_x) -> jax.Array:
   # u * total can round up to total: fall back to the last token of positive weight.
   last_x = p_xV.shape[-1] - 1 - jnp.argmax(jnp.flip(p_xV > 0, axis=-1), axis=-1)
   return jnp.minimum(idx_x, last_x).astype(jnp.int32)
+
+
+def picker(sp: Settings):
+  """pick(logits_xV, u_x) -> [x] tokens: a draw from `probs(logits, sp)` with the uniform u, how
+  sequential depths draft while sampling (`HeadKind.decode_reads`)."""
+  return lambda logits_xV, u_x: draw(probs(logits_xV, sp), u_x)
 
 
 def row_keys(seed, batch: int) -> jax.Array:

@@ -29,18 +29,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import heads
-from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.config import ModelArgs
-from mtp_jax.decoding.decode_loop import DecodeState, gain
+from mtp_jax.decoding.decode_loop import DecodeState, budget, commit, gain, run, start
+from mtp_jax.heads import head_logits
 from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding, unrolled
 
 MAX_NODES = 32  # the tree mask travels as int32 bits, one per window token
+
+
+class Tables(NamedTuple):
+  """A tree's tables (numpy), one entry per node (breadth-first)."""
+  parent: np.ndarray  # [N] int32 (the root is its own parent)
+  depth: np.ndarray  # [N] int32
+  rank: np.ndarray  # [N] int32: the node's index among its head's top candidates
+  ancestors: np.ndarray  # [N, N] bool, self included
+  at_depth: np.ndarray  # [N, k] int32: the node's ancestor at each depth, itself past its depth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +68,8 @@ class Tree:
     return ",".join(map(str, self.spec))
 
   @functools.cached_property
-  def tables(self):
-    """parent[N], depth[N], rank[N] (the node's index among its head's top candidates),
-    ancestors[N, N] (bool, self included), at_depth[N, k] (the node's ancestor at each depth,
-    the node itself past its depth)."""
+  def tables(self) -> Tables:
+    """parent, depth, rank, ancestors, at_depth (`Tables`)."""
     parent, depth, rank = [0], [0], [0]
     frontier = [0]
     for d, c in enumerate(self.spec, start=1):
@@ -85,44 +93,43 @@ class Tree:
           break
         j = parent[j]
       at_depth[i, depth[i] + 1:] = i
-    return (np.asarray(parent, np.int32), np.asarray(depth, np.int32),
-            np.asarray(rank, np.int32), anc, at_depth)
+    return Tables(parent=np.asarray(parent, np.int32), depth=np.asarray(depth, np.int32),
+                  rank=np.asarray(rank, np.int32), ancestors=anc, at_depth=at_depth)
 
   @property
   def n_nodes(self) -> int:
-    return len(self.tables[0])
+    return len(self.tables.parent)
 
   def bits(self) -> np.ndarray:
     """[N] int32: bit j of node n set when n sees window token j (its ancestors and itself)."""
-    anc = self.tables[3]
-    return np.asarray([sum(1 << j for j in np.flatnonzero(row)) for row in anc],
+    return np.asarray([sum(1 << j for j in np.flatnonzero(row)) for row in self.tables.ancestors],
                       np.uint32).view(np.int32)
 
 
 def parse(spec, n_future: int | None = None) -> Tree:
-  """`4,2,1` (or a tuple) -> Tree, or one ValueError naming --tree."""
+  """`4,2,1` (or a tuple) -> Tree, or one ValueError naming the parameter (tree)."""
   if isinstance(spec, Tree):
     tree = spec
   else:
     try:
       parts = tuple(int(x) for x in (spec.split(",") if isinstance(spec, str) else spec))
     except (TypeError, ValueError):
-      raise ValueError(f"--tree: a comma-separated list of positive integers (children per "
+      raise ValueError(f"tree: a comma-separated list of positive integers (children per "
                        f"node at each depth, e.g. 4,2,1) or auto, got {spec!r}") from None
     if not parts or min(parts) < 1:
-      raise ValueError(f"--tree: a comma-separated list of positive integers (children per "
+      raise ValueError(f"tree: a comma-separated list of positive integers (children per "
                        f"node at each depth, e.g. 4,2,1) or auto, got {spec!r}")
     tree = Tree(parts)
   if tree.n_nodes > MAX_NODES:
-    raise ValueError(f"--tree: {tree.name} has {tree.n_nodes} nodes; at most {MAX_NODES}")
+    raise ValueError(f"tree: {tree.name} has {tree.n_nodes} nodes; at most {MAX_NODES}")
   if n_future is not None and tree.k > n_future:
-    raise ValueError(f"--tree: {tree.name} has {len(tree.spec)} levels, drafted by heads "
+    raise ValueError(f"tree: {tree.name} has {len(tree.spec)} levels, drafted by heads "
                      f"2..{tree.k}, but the model has {n_future} heads")
   return tree
 
 
-def supports(args: ModelArgs) -> str | None:
-  """None if `args`' head kind drafts trees, else why not."""
+def unsupported_reason(args: ModelArgs) -> str | None:
+  """Why `args`' head kind cannot draft trees, or None when it can."""
   if not heads.KINDS[args.head_kind].drafts_tree:
     return (f"{args.head_kind} heads draft a chain (each depth reads its predecessor's draft), "
             "not a tree")
@@ -131,7 +138,7 @@ def supports(args: ModelArgs) -> str | None:
 
 def _draft(lg_KxBxV, root_B, tree: Tree):
   """[B, N] node tokens: the root, then head d+1's rank-r candidate at each depth-d node."""
-  parent, depth, rank, _, _ = tree.tables
+  depth, rank = tree.tables.depth, tree.tables.rank
   c = max(tree.spec)
   cand_KxBxC = jax.lax.top_k(lg_KxBxV, c)[1].astype(jnp.int32)
   cand_BxX = jnp.transpose(cand_KxBxC, (1, 0, 2)).reshape(root_B.shape[0], -1)
@@ -159,8 +166,7 @@ def decode_tree(params, prompt_BxP, prompt_len_B, eos_id, pad_id, max_cycles, *,
   params, args = unrolled(params, args)  # the layers' weights sliced once, not per cycle
   model = MTPModel(args)
   k, N = args.n_future, tree.n_nodes
-  _, depth_N, _, anc_NxN, at_depth_NxK = tree.tables
-  parent_N = tree.tables[0]
+  t = tree.tables
   B, P = prompt_BxP.shape
   rows_B = jnp.arange(B)
   W_DxV = unembedding(params, args)[:, :args.vocab_size]
@@ -178,43 +184,23 @@ def decode_tree(params, prompt_BxP, prompt_len_B, eos_id, pad_id, max_cycles, *,
   h_kxBxD = h_kxBxPxD[:, rows_B, last_P_B]
   first_B = jnp.argmax(logits(params, args, h_kxBxD[:1, :, None])[0, :, 0],
                        axis=-1).astype(jnp.int32)
-  M = max_new_tokens + k
-  state = DecodeState(
-      cache=cache, out_BxM=jnp.full((B, M), pad_id, jnp.int32).at[:, 0].set(first_B),
-      n_out_B=jnp.ones((B,), jnp.int32), pos_B=prompt_len_B.astype(jnp.int32), last_B=first_B,
-      drafts_BxK1=next_tree(h_kxBxD, first_B), q_BxK1xV=None,
-      done_B=(first_B == eos_id) | (max_new_tokens <= 1), cycles_B=jnp.zeros((B,), jnp.int32),
-      hist_BxX=jnp.zeros((B, N), jnp.int32), forwards=jnp.ones((), jnp.int32))
-  j_K = jnp.arange(k)
+  state = start(cache, first_B, next_tree(h_kxBxD, first_B), None, prompt_len_B, pad_id=pad_id,
+                eos_id=eos_id, max_new_tokens=max_new_tokens, k=k, hist=N)
 
   def cycle(s: DecodeState) -> DecodeState:
-    active_B = ~s.done_B
-    budget_B = jnp.where(active_B, max_new_tokens - s.n_out_B, 0)
+    budget_B = budget(s, max_new_tokens)
     toks_BxN = s.drafts_BxK1  # the tree, its root (slot 0) the row's newest token
-    h_kxBxNxD, cache = apply(toks_BxN, s.pos_B[:, None] + depth_N, s.cache, bits_BxN)
-    g_BxN = jnp.argmax(sampling_lib.head_logits(h_kxBxNxD[0], W_DxV), axis=-1).astype(jnp.int32)
-    match_BxN = (toks_BxN == g_BxN[:, parent_N]) | (jnp.arange(N) == 0)
-    ok_BxN = jnp.all(match_BxN[:, None, :] | ~anc_NxN[None], axis=-1)  # every ancestor matches
-    best_B = jnp.argmax(jnp.where(ok_BxN, depth_N, -1), axis=-1)  # the deepest accepted node
-    path_BxK = jnp.asarray(at_depth_NxK)[best_B]
-    m_B = jnp.asarray(depth_N)[best_B]
+    h_kxBxNxD, cache = apply(toks_BxN, s.pos_B[:, None] + t.depth, s.cache, bits_BxN)
+    g_BxN = jnp.argmax(head_logits(h_kxBxNxD[0], W_DxV), axis=-1).astype(jnp.int32)
+    match_BxN = (toks_BxN == g_BxN[:, t.parent]) | (jnp.arange(N) == 0)
+    ok_BxN = jnp.all(match_BxN[:, None, :] | ~t.ancestors[None], axis=-1)  # every ancestor ok
+    best_B = jnp.argmax(jnp.where(ok_BxN, t.depth, -1), axis=-1)  # the deepest accepted node
+    path_BxK = jnp.asarray(t.at_depth)[best_B]
+    m_B = jnp.asarray(t.depth)[best_B]
     out_BxK = jnp.take_along_axis(g_BxN, path_BxK, axis=1)
     acc = gain(out_BxK, m_B, s.last_B, eos_id, budget_B)
     cache = compact(cache, s.pos_B, path_BxK)
     new_tree_BxN = next_tree(h_kxBxNxD[:, rows_B, best_B], acc.last_B)
-    idx_BxK = jnp.where(j_K < acc.new_B[:, None], s.n_out_B[:, None] + j_K, M)
-    n_out_B = s.n_out_B + acc.new_B
-    return DecodeState(
-        cache=cache,
-        out_BxM=s.out_BxM.at[rows_B[:, None], idx_BxK].set(out_BxK, mode="drop"),
-        n_out_B=n_out_B, pos_B=s.pos_B + acc.new_B, last_B=acc.last_B,
-        drafts_BxK1=jnp.where(active_B[:, None], new_tree_BxN, s.drafts_BxK1), q_BxK1xV=None,
-        done_B=s.done_B | (active_B & (acc.eos_B | (n_out_B >= max_new_tokens))),
-        cycles_B=s.cycles_B + active_B,
-        hist_BxX=s.hist_BxX + jax.nn.one_hot(best_B, N, dtype=jnp.int32) * active_B[:, None],
-        forwards=s.forwards + 1)
+    return commit(s, acc, out_BxK, cache, new_tree_BxN, best_B, max_new_tokens=max_new_tokens)
 
-  s = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B) & (s.forwards <= max_cycles), cycle,
-                         state)
-  return s.out_BxM[:, :max_new_tokens], s.n_out_B, s.cycles_B, s.hist_BxX, s.forwards
-
+  return run(cycle, state, max_cycles, max_new_tokens)

@@ -78,6 +78,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
     sample_kw["stops"] = stops_lib.build(stops, *table)
   rows = [i for i in range(len(prompts)) for _ in range(num_samples)]
   gen = Generation(tokens=[None] * len(rows))
+  session = decode_lib.Session(loaded.params, args)  # "auto" decided once per batch shape
   for b, start in enumerate(range(0, len(rows), batch_size)):
     idx = list(range(start, min(start + batch_size, len(rows))))
     batch = [np.asarray(prompts[rows[r]], np.int32) for r in idx]
@@ -86,8 +87,8 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
     batch += [np.full(width, tok.pad_id, np.int32)] * (batch_size + 1 - len(idx))
     if temperature > 0:  # one seed per batch: a row's stream must differ between batches
       sample_kw["seed"] = int(np.random.SeedSequence([seed, b]).generate_state(1)[0] >> 1)
-    r = decode_lib.decode(loaded.params, args, batch, max_new_tokens=max_new_tokens, k=k,
-                          tree=tree, eos_id=tok.eos_id, pad_id=tok.pad_id, **sample_kw)
+    r = session.decode(batch, max_new_tokens=max_new_tokens, k=k, tree=tree,
+                       eos_id=tok.eos_id, pad_id=tok.pad_id, **sample_kw)
     n = len(idx)
     out = [r.tokens[j, :r.lengths[j]] for j in range(n)]
     for j, row in enumerate(idx):
@@ -364,8 +365,7 @@ def main(argv=None) -> int:
     logging.set_verbosity(logging.WARNING)
     score_file(opts) if opts["score_file"] else run(opts)
   except (ValueError, flags.Error) as e:
-    msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    print(f"error: {msg}", file=sys.stderr)
+    print(f"error: {cli.flag_error(e)}", file=sys.stderr)  # the library's errors by flag
     return 2
   return 0
 

@@ -9,12 +9,12 @@ this package names a kind (tests/test_layout.py checks). `base` holds the regist
 every kind shares; importing the package registers the built-in kinds.
 """
 
-from mtp_jax.heads.base import (KINDS, DecodeReads, HeadKind, Shared, layout_kind, register,
-                                slice_params, tree_kinds, unregister)
+from mtp_jax.heads.base import (KINDS, DecodeReads, HeadKind, Shared, head_logits, layout_kind,
+                                register, slice_params, tree_kinds, unregister)
 from mtp_jax.heads.parallel import ParallelHeads
 from mtp_jax.heads.projection import ProjectionHeads
 from mtp_jax.heads.sequential import SequentialHeads
 
-__all__ = ["KINDS", "DecodeReads", "HeadKind", "Shared", "layout_kind", "register",
+__all__ = ["KINDS", "DecodeReads", "HeadKind", "Shared", "head_logits", "layout_kind", "register",
            "slice_params", "tree_kinds", "unregister", "ParallelHeads", "ProjectionHeads",
            "SequentialHeads"]

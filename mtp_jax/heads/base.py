@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from mtp_jax.model_args import ModelArgs
 
@@ -56,10 +57,17 @@ class Shared:
   reads: Any = None
 
 
+def head_logits(h_BxSxD, unembed_DxV) -> jax.Array:
+  """f32 logits of one head's states: the same op wherever a token is drawn from them, so the
+  sequential chain (heads/sequential.py) and the decoder (mtp_jax.decoding) draw the same draft
+  from the same uniform."""
+  return jnp.einsum("bsd,dv->bsv", h_BxSxD, unembed_DxV.astype(h_BxSxD.dtype),
+                    preferred_element_type=jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeReads:
-  """What the sequential depths read while decoding, given by the decoder
-  (mtp_jax.decoding.sampling).
+  """What the sequential depths read while decoding, given by the decoder (mtp_jax.decoding).
 
   known(h1_BxSxD, depths) -> [depths, B, S] int: the token depth d reads at position s, x_{s+d},
   where the decoder knows it (the prompt; the accepted drafts and the new token of a cycle), -1
@@ -168,11 +176,11 @@ class HeadKind(nn.Module):
                               "(HeadKind.flops_per_token)")
 
   @classmethod
-  def decode_reads(cls, known_fn: Callable, unembed_DxV, sp, u_DxB=None, slots_BxN=None):
+  def decode_reads(cls, known_fn: Callable, unembed_DxV, pick, u_DxB=None, slots_BxN=None):
     """What the heads read while decoding (`Shared.reads`), given how the decoder knows the
-    next tokens (see SequentialHeads.decode_reads); None (the default) for heads that read no
-    tokens."""
-    del known_fn, unembed_DxV, sp, u_DxB, slots_BxN
+    next tokens and picks a draft from a head's logits (see SequentialHeads.decode_reads); None
+    (the default) for heads that read no tokens."""
+    del known_fn, unembed_DxV, pick, u_DxB, slots_BxN
     return None
 
 

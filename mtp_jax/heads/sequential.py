@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.decoding import sampling
-from mtp_jax.heads.base import DecodeReads, HeadKind, Shared, register
+from mtp_jax.heads.base import DecodeReads, HeadKind, Shared, head_logits, register
 from mtp_jax.layers import Block, RMSNorm, dense_init, dot_general, remat, rms_norm, tokens_2d
 from mtp_jax.model_args import ModelArgs
 
@@ -115,8 +114,8 @@ class SequentialHeads(HeadKind):
     return (m.n_future - 1) * (2 * (2 * d * d) + block), m.n_future - 1
 
   @classmethod
-  def decode_reads(cls, known_fn, unembed_DxV, sp, u_DxB=None, slots_BxN=None):
-    return chain_reads(known_fn, unembed_DxV, sp, u_DxB, slots_BxN)
+  def decode_reads(cls, known_fn, unembed_DxV, pick, u_DxB=None, slots_BxN=None):
+    return chain_reads(known_fn, unembed_DxV, pick, u_DxB, slots_BxN)
 
   @nn.compact
   def __call__(self, z_BxSxD, s: Shared, cache=None):
@@ -159,33 +158,33 @@ def known_tokens(after_BxS, last_B, depths: int) -> jax.Array:
   return jnp.stack(out).astype(jnp.int32)
 
 
-def draft_tokens(out_BxSxD, unembed_DxV, sp: sampling.Settings | None, u_B=None) -> jax.Array:
-  """[B, S] drafts of one head: its argmax (sp None) or its draw with the row's uniform."""
-  lg_BxSxV = sampling.head_logits(out_BxSxD, unembed_DxV)
-  if sp is None:
+def draft_tokens(out_BxSxD, unembed_DxV, pick=None, u_B=None) -> jax.Array:
+  """[B, S] drafts of one head: its argmax (pick None), or pick(logits_BxSxV, u_BxS), the
+  decoder's draw with the row's uniform."""
+  lg_BxSxV = head_logits(out_BxSxD, unembed_DxV)
+  if pick is None:
     return jnp.argmax(lg_BxSxV, axis=-1).astype(jnp.int32)
-  return sampling.draw(sampling.probs(lg_BxSxV, sp),
-                       jnp.broadcast_to(u_B[:, None], lg_BxSxV.shape[:2]))
+  return pick(lg_BxSxV, jnp.broadcast_to(u_B[:, None], lg_BxSxV.shape[:2]))
 
 
-def chain_reads(known_fn, unembed_DxV, sp: sampling.Settings | None, u_DxB=None,
-                slots_BxN=None) -> DecodeReads:
+def chain_reads(known_fn, unembed_DxV, pick=None, u_DxB=None, slots_BxN=None) -> DecodeReads:
   """What sequential depths read while decoding: known_fn(h1_BxSxD) -> (after_BxS, last_B) gives
   the known tokens (teacher forcing wherever the next tokens are known: the prompt at prefill, the
   accepted drafts and the new token in a cycle); beyond them depth d + 1 reads depth d's draft,
-  its argmax (sp None) or its draw with the row's uniform u_DxB[d - 1] (the uniform the decoder
-  draws the same draft with). slots_BxN: the only positions where a draft is read (prefill: the
-  prompt's last n_future - 1), so a long prompt is not unembedded at every position."""
+  its argmax (pick None) or pick(logits, u) with the row's uniform u_DxB[d - 1] (the decoder's
+  own draw, with the uniform it draws the same draft with). slots_BxN: the only positions where
+  a draft is read (prefill: the prompt's last n_future - 1), so a long prompt is not unembedded
+  at every position."""
   def known(h1_BxSxD, depths):
     after_BxS, last_B = known_fn(h1_BxSxD)
     return known_tokens(after_BxS, last_B, depths)
 
   def draft(u_B, out_BxSxD):
     if slots_BxN is None:
-      return draft_tokens(out_BxSxD, unembed_DxV, sp, u_B)
+      return draft_tokens(out_BxSxD, unembed_DxV, pick, u_B)
     out_BxNxD = jnp.take_along_axis(out_BxSxD, slots_BxN[..., None], axis=1)
     rows_Bx1 = jnp.arange(out_BxSxD.shape[0])[:, None]
     return jnp.zeros(out_BxSxD.shape[:2], jnp.int32).at[rows_Bx1, slots_BxN].set(
-        draft_tokens(out_BxNxD, unembed_DxV, sp, u_B))
+        draft_tokens(out_BxNxD, unembed_DxV, pick, u_B))
 
   return DecodeReads(known=known, draft=draft, xs=u_DxB)

@@ -1,6 +1,6 @@
 """Self-distilled training data: a model's own continuations of prompts, as token shards.
 
-  python -m mtp_jax.data.distill --workdir W --source SPEC --out DIR [--prompt_len 64] \\
+  python -m mtp_jax.decoding.distill --workdir W --source SPEC --out DIR [--prompt_len 64] \\
       [--max_new_tokens 192 --temperature 0 --top_p 1 --top_k 0 --num_samples 1] \\
       [--batch_size 16 --shards 4 --max_prompts N --heads K --seed 0]
 
@@ -34,11 +34,12 @@ import time
 import numpy as np
 
 from mtp_jax import cli
-from mtp_jax.decoding import decode as decode_lib
-from mtp_jax.decoding import sampling as sampling_lib
+from mtp_jax import workdir as workdir_lib
 from mtp_jax.data import corpora
 from mtp_jax.data import prepare
 from mtp_jax.data.sources import open_source
+from mtp_jax.decoding import decode as decode_lib
+from mtp_jax.decoding import sampling as sampling_lib
 
 DONE = "done"
 # Flags whose values define the output: a rerun into DIR must repeat them.
@@ -142,8 +143,8 @@ def distill(workdir: str, source: str, out: str, *, prompt_len: int = 64,
             max_prompts: int = 0, heads: int = 0, seed: int = 0, text_key: str = "text",
             glob: str = "**/*", split: str = "train", tfds_data_dir: str = "",
             hf_cache_dir: str = "", progress: bool = True) -> dict:
-  """Writes DIR/tokens-*.array_record and DIR/metadata.json; returns the metadata."""
-  from mtp_jax import workdir as workdir_lib
+  """Writes DIR/tokens-*.array_record and DIR/metadata.json; returns the metadata. Errors of
+  the decoding library name its parameters (`main` names the flags)."""
   f = dict(locals())
   check_flags(f)
   out = os.path.expanduser(out)
@@ -248,7 +249,7 @@ def _define(fv) -> None:
 
 
 def main(argv=None) -> int:
-  fv = cli.parse(argv, _define, prog="python -m mtp_jax.data.distill", usage=__doc__.split(
+  fv = cli.parse(argv, _define, prog="python -m mtp_jax.decoding.distill", usage=__doc__.split(
       "\n\n")[1], required=("workdir", "source", "out"))
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
@@ -256,7 +257,10 @@ def main(argv=None) -> int:
   kw = {name: fv[name].value for name in _DEFINING + ("batch_size", "tfds_data_dir",
                                                       "hf_cache_dir")
         if name not in ("workdir", "source")}
-  meta = distill(fv.workdir, fv.source, fv.out, **kw)
+  try:
+    meta = distill(fv.workdir, fv.source, fv.out, **kw)
+  except ValueError as e:  # the decoding library's errors, by flag (k: -> --heads:)
+    raise ValueError(cli.flag_error(e)) from None
   print(f"wrote {meta['documents']:,} documents, {meta['tokens']:,} tokens in "
         f"{len(meta['shards'])} shards to {fv.out} ({time.time() - start:.1f}s); train the heads "
         f"on them with --config.data.corpus=array_record "

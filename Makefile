@@ -10,7 +10,7 @@ DEMO_PROMPTS := $(wildcard experiments/prompts/*.txt)
 TPU_VENV := .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed
 
-.PHONY: install lint test test-tpu test-slurm demo cpu-bench clean
+.PHONY: install lint test test-fast test-tpu test-slurm demo cpu-bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,12 @@ PYTEST_WORKERS ?= 2
 # ruff (ruff.toml): pyflakes, pycodestyle, bugbear and pyupgrade checks; CI runs it first.
 lint: install
 	$(BIN)/ruff check .
+
+# Tiers (pytest.ini): `make test` runs them all, CI runs `make test`; `make test-fast` is the
+# edit-test loop, the unit tests without the slow ones and tests/integration (~2 minutes).
+test-fast: install
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not integration" \
+	  tests --ignore=tests/tpu --ignore=tests/slurm
 
 test: lint $(TPU_STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests --ignore=tests/tpu \

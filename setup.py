@@ -53,7 +53,7 @@ setup(
             "torch>=2.4",
             "safetensors>=0.4",
             "transformers>=5.0",  # the family tests build configs with rope_parameters
-            # notebooks executed by tests/test_notebooks.py.
+            # notebooks executed by tests/integration/test_notebooks.py.
             "nbclient>=0.10",
             "nbformat>=5.10",
             "ipykernel>=6.29",

@@ -7,7 +7,8 @@
 
 A page holds generated tables between `<!-- tpu_tables ARGS -->` and `<!-- /tpu_tables -->`
 (ARGS: this script's --plans / --presets / --decode flags); `--update` writes each block again
-from its JSONs, `--check` only says which are stale (exit 1), as tests/test_docs.py does.
+from its JSONs, `--check` only says which are stale (exit 1), as
+tests/integration/test_docs.py does.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ device on 8 simulated CPU devices.
 Multi-host: call `maybe_initialize_distributed` first thing (config.mesh, or the JAX_*
 variables, or the launcher), build the mesh over `jax.devices()` (all hosts' devices), and give
 `shard_batch` the global batch, which every process makes alike (data/pipeline.py): each hands
-its own devices their rows. tests/test_multihost.py runs two real processes.
+its own devices their rows. tests/integration/test_multihost.py runs two real processes.
 """
 
 from __future__ import annotations

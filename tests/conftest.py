@@ -28,9 +28,16 @@ from mtp_jax import config as config_lib  # noqa: E402
 from mtp_jax.model import build_model, init_params  # noqa: E402
 
 
-def pytest_configure(config):
-  config.addinivalue_line("markers", "slurm: runs on the real one-node Slurm of "
-                          "tests/slurm/cluster.py (make test-slurm; the main run ignores them)")
+# Folder -> the tier marker every test in it gets (pytest.ini registers them; --strict-markers).
+_FOLDER_MARKS = {"integration": "integration", "tpu": "tpu_aot", "slurm": "slurm"}
+
+
+def pytest_collection_modifyitems(config, items):
+  tests = os.path.dirname(os.path.abspath(__file__))
+  for item in items:
+    folder = os.path.relpath(str(item.path), tests).split(os.sep)[0]
+    if folder in _FOLDER_MARKS:
+      item.add_marker(_FOLDER_MARKS[folder])
 
 
 def require(module_name: str):

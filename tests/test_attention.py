@@ -47,6 +47,7 @@ IMPLS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", sorted(IMPLS))
 @pytest.mark.parametrize("packed", [False, True])
 def test_training_path_equals_reference(impl, packed):
@@ -94,6 +95,7 @@ def test_heads_major_cache_equals_cache_as_given(impl):
     np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.slow
 def test_splash_kernel_in_interpret_mode_equals_reference():
   """The TPU kernel's wiring (head layout, scale, causal block mask, segment ids) run by the
   Pallas interpreter on the CPU; its tiles are 128 wide, so S = 128."""

@@ -32,6 +32,7 @@ def _config(make_config, kind, dtype, n_future=3):
   return c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_params_and_optimizer_state_stay_float32(make_config, make_model, kind):
   c = _config(make_config, kind, "bfloat16")
@@ -71,6 +72,7 @@ def test_train_steps_close_to_float32(make_config, make_model):
   assert not np.array_equal(bf16, f32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_window_logits_equal_one_token_steps(make_config, make_model, kind):
   """Prefill 7 tokens, then 4 more as one verification window or as 4 one-token steps (bf16 KV
@@ -99,6 +101,7 @@ def test_window_logits_equal_one_token_steps(make_config, make_model, kind):
   np.testing.assert_array_equal(run([7, 4]), run([7, 1, 1, 1, 1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_speculative_equals_greedy_in_bfloat16(make_config, make_model, kind):
   c = _config(make_config, kind, "bfloat16")

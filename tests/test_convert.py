@@ -238,6 +238,7 @@ def _our_logits(loaded, tokens_BxS):
   return np.asarray(logits(loaded.params, loaded.model.args, h_NxBxSxD))
 
 
+@pytest.mark.slow
 def test_meta_logits_match_reference(meta, tokens_BxS):
   args = meta["loaded"].model.args
   assert (args.head_kind, args.n_trunk, args.n_future, args.d_ff) == ("parallel", 2, 3, 224)
@@ -248,6 +249,7 @@ def test_meta_logits_match_reference(meta, tokens_BxS):
   np.testing.assert_allclose(ours_NxBxSxV, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_meta_workdir_generates_speculative_equal_to_greedy(meta):
   buf = io.StringIO()
   report = generate.run(meta["workdir"], ["the cat sat", "a big red fox"], max_new_tokens=8,
@@ -294,6 +296,7 @@ def test_to_hf_matches_transformers(which, meta, deepseek, tokens_BxS, tmp_path)
   np.testing.assert_allclose(_hf_logits(out, tokens_BxS), ref.numpy(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_to_hf_projection_heads_tied(make_config, make_model, tokens_BxS, tmp_path):
   """Projection heads: head 1 is the trunk, so the export is trunk + final norm (tied here)."""
   c = make_config("projection", 3)

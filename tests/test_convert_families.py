@@ -95,6 +95,7 @@ def imported(request, tmp_path_factory):
   return family, ckpt, out, hf.eval(), root
 
 
+@pytest.mark.slow
 def test_head1_and_generate_equal_transformers(imported):
   family, ckpt, out, hf, _ = imported
   loaded = generate.load_workdir(out)
@@ -126,6 +127,7 @@ def test_head1_and_generate_equal_transformers(imported):
     np.testing.assert_array_equal(ours.tokens[b, :m], ref[b, :m])
 
 
+@pytest.mark.slow
 def test_export_is_the_same_family_with_the_same_logits(imported):
   family, ckpt, out, hf, root = imported
   back = str(root / "back")

@@ -207,6 +207,7 @@ def test_train_cli_on_tfds_corpus_with_eval(root, tfds_dir, tmp_path):
   assert s["step"] == 6 and np.isfinite(s["eval/head1_loss"]) and np.isfinite(s["train/loss"])
 
 
+@pytest.mark.slow
 def test_prepare_train_stop_resume_matches_straight_run(root, prepared, tmp_path):
   shards = [f"--config.data.files={prepared[0]}/tokens-*.array_record",
             "--config.data.corpus=array_record"]
@@ -292,6 +293,7 @@ def test_config_fields_of_real_corpora(data, needle):
     _config(**data)
 
 
+@pytest.mark.slow
 def test_prepare_hf_source_save_to_disk_and_missing_name(tmp_path):
   """`--source hf:DIR` of a save_to_disk folder (split slices, nested key, a worker process);
   an uncached Hub name is one line, exit 2, nothing written, nothing downloaded."""

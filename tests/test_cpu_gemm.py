@@ -89,6 +89,7 @@ def _config(make_config, kind, cpu_matmul):
   return c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["parallel", "projection", "sequential"])
 def test_loss_and_gradients_match_xla(make_config, kind):
   """The model's loss and every gradient with MKL's matmuls (trunk, the head kind's own dense

@@ -367,7 +367,7 @@ def test_validation_state_restores_mid_pass_and_at_end(corpus):
 def test_batches_are_global_and_independent_of_the_process_count(corpus, monkeypatch):
   """Every process makes the same global batch of train.batch_size rows from all documents
   (sharding.shard_batch then hands each its own rows): what a process reads does not depend on
-  its index or on how many there are (tests/test_multihost.py runs two)."""
+  its index or on how many there are (tests/integration/test_multihost.py runs two)."""
   import jax
   folder, data_dir, texts = corpus
   c = _config(folder, data_dir)

@@ -20,6 +20,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ROWS = [0, 1, 2, 3]  # the prompts of a case (of lengths 3, 1, 9, 5)
@@ -80,6 +82,7 @@ def _check(cases, cpu_defaults: bool):
   return out["cases"]
 
 
+@pytest.mark.slow
 def test_speculative_equals_greedy_with_default_compiler_flags():
   for case in _check(CASES, cpu_defaults=False):
     assert case["options"] is None, case  # jaxlib's own flags: nothing to add

@@ -25,6 +25,7 @@ def _all_heads(params, model, tokens_BxS):
 
 @pytest.mark.parametrize("kind,command,tied,scan", [
     ("parallel", "to-meta", True, False), ("sequential", "to-deepseek", False, True)])
+@pytest.mark.slow
 def test_export_round_trips_every_head(kind, command, tied, scan, make_config, make_model,
                                        tmp_path):
   c = make_config(kind, 3)

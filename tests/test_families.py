@@ -40,6 +40,7 @@ def _hf_params(kind, fields, theta):
   return p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(ROPES))
 def test_rope_frequencies_equal_transformers(kind):
   require("torch")
@@ -94,6 +95,7 @@ def _qkv(S, T, seed=0):
   return draw(B, S, H, E), draw(B, T, K, E), draw(B, T, K, E)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["cpu", "cpu_4", "xla", "splash"])
 def test_window_kernels_equal_reference(impl):
   S = 128 if impl == "splash" else 24
@@ -137,6 +139,7 @@ def _family_config(kind="parallel", impl="cpu"):
 
 @pytest.mark.parametrize("kind, impl", [("parallel", "cpu"), ("projection", "einsum"),
                                         ("sequential", "xla")])
+@pytest.mark.slow
 def test_kv_cache_equals_full_forward_with_every_feature(kind, impl):
   """Prefill 4 tokens, two one-token steps, then a 4-token window (as speculative decoding
   verifies), with biases, qk-norm, head_dim 12 != 32 / 4, llama3 RoPE and a 5-token window over

@@ -71,6 +71,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.mark.parametrize("kind,tied", [("parallel", "untied"), ("projection", "tied"),
                                        ("sequential", "untied")])
+@pytest.mark.slow
 def test_head1_is_the_hf_model(kind, tied, ckpts, tmp_path):
   """Head 1's logits equal transformers' (f32, 1e-4), greedy decoding equals its `generate`
   token for token, and `copy` starts the new heads predicting what head 1 predicts."""
@@ -108,6 +109,7 @@ def test_head1_is_the_hf_model(kind, tied, ckpts, tmp_path):
     np.testing.assert_array_equal(ours.tokens[b, :n], ref[b, :n].numpy())
 
 
+@pytest.mark.slow
 def test_round_trip_gives_the_original_tensors(ckpts, tmp_path):
   for tied in ("untied", "tied"):
     wd, back = str(tmp_path / f"wd_{tied}"), str(tmp_path / f"hf_{tied}")
@@ -144,6 +146,7 @@ def _finetune_config(imported, corpus, steps):
   return validation.validate(c)
 
 
+@pytest.mark.slow
 def test_heads_only_finetuning(ckpts, tmp_path, capsys):
   """Parallel heads, the hard case: head 1's block shares a stacked leaf with the new heads."""
   imported, run = str(tmp_path / "imported"), str(tmp_path / "run")
@@ -249,6 +252,7 @@ def test_init_from_checks_the_model(ckpts, tmp_path):
   assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["parallel", "projection", "sequential"])
 def test_heads_only_allocates_no_state_for_frozen_params(kind, make_config, make_model):
   """Adam moments exist for the stacks holding heads 2..n and nothing else (parallel: the whole

@@ -153,6 +153,7 @@ def test_cpu_peak_is_measured_once():
   assert flops.peak_flops_per_device("float32", cpu)[0] == value  # cached, not re-measured
 
 
+@pytest.mark.slow
 def test_bench_accel_tiny(capsys):
   """bench_accel's main at its tiny size, 2 steps: the JSON it prints carries every figure."""
   from experiments import bench_accel
@@ -177,6 +178,7 @@ def test_bench_accel_tiny(capsys):
   assert "random-init" in rec["decode"]["params_from"]
 
 
+@pytest.mark.slow
 def test_bench_accel_fit_batch(monkeypatch):
   """--batch auto: the search over powers of two, and the compiled peak it reads (from shapes
   alone) grows with the batch."""

@@ -57,6 +57,7 @@ def test_unregistered_kind_is_a_config_error(make_config):
     validation.validate(make_config("bias", 3))
 
 
+@pytest.mark.slow
 def test_new_kind_in_one_class_trains_and_decodes(bias_kind, make_config):
   c = make_config("bias", 3)
   model = build_model(c)  # validates: the registry knows the kind

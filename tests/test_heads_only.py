@@ -15,6 +15,7 @@ from mtp_jax import optimizer as optim_lib
 from mtp_jax import steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["parallel", "projection", "sequential"])
 def test_heads_only_gradients_equal_the_full_backward(kind, make_config, make_model):
   c = make_config(kind, 3)

@@ -74,6 +74,7 @@ def test_rope_tables_written_once_on_cpu():
   np.testing.assert_array_equal(step(True), step(False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch, kv_heads", [(1, 1), (1, 2), (3, 2)])
 def test_decode_loop_writes_the_kv_cache_in_place(batch, kv_heads):
   """Inside the compiled decoding loop no KV cache is copied: each layer's new keys and values

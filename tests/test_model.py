@@ -46,6 +46,7 @@ def dependencies(request, make_config, make_model):
   return kind, np.asarray(plain), np.asarray(packed)
 
 
+@pytest.mark.slow
 def test_causality_by_gradients(dependencies):
   """Parallel and projection heads: h[i, t] sees embeddings at s <= t, none after. Sequential
   depth i (head i + 1) sees s <= t + i (teacher-forced x_{t+1..t+i}) and nothing beyond."""
@@ -193,6 +194,7 @@ def test_fused_projections_same_params_and_maths(make_config):
   assert dots["on"] < dots["off"], dots
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["parallel", "sequential"])
 def test_remat_equals_no_remat(make_config, make_model, kind):
   """remat_policy 'full' and 'dots_saveable' against 'none': same parameter tree, same outputs,
@@ -227,6 +229,7 @@ def test_remat_equals_no_remat(make_config, make_model, kind):
                  grads, grads_ref)
 
 
+@pytest.mark.slow
 def test_jit_equals_eager(make_config, make_model):
   # Projection heads: the cheapest kind to run op by op (eager parallel heads cost seconds more).
   c = make_config("projection", 2)
@@ -237,6 +240,7 @@ def test_jit_equals_eager(make_config, make_model):
                              atol=1e-5)
 
 
+@pytest.mark.slow
 def test_parallel_heads_scan_equals_vmap(make_config, make_model):
   """`heads.parallel_stack`: one head block at a time (scan) is the same maths and the same
   parameter layout as all at once (vmap): outputs, gradients and decode caches."""
@@ -280,6 +284,7 @@ def test_parallel_heads_match_parameters(make_config):
   assert param_count(p4) > param_count(p1)
 
 
+@pytest.mark.slow
 def test_init_params_real_initialiser(make_config):
   """The real initialiser (other tests use conftest.random_params): norms start at one, the
   embedding at std 0.02, and the tree is what eval_shape promises."""
@@ -334,6 +339,7 @@ def test_sequential_variants_change_what_they_should(make_config, make_model):
       assert diff > 1e-2, (name, depth, diff)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", tuple(KINDS))
 def test_kv_cache_matches_full_forward(make_config, make_model, kind):
   """One cached pass, and a prefix then the rest with positions continuing, give the no-cache

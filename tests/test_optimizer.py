@@ -68,6 +68,7 @@ def _uneven_batch(c):
   return {"tokens": tokens, "segment_ids": segments}
 
 
+@pytest.mark.slow
 def test_grad_accumulation_is_exact_with_uneven_padding(make_config, make_model):
   """grad_accum 4 gives the gradients and metrics of grad_accum 1 (and of jax.grad of the
   plain loss) on one batch with uneven padding, with z-loss and unequal head weights on."""

@@ -68,6 +68,7 @@ def test_sets_flags_and_reexecs_once_with_huge_pages():
 MIMALLOC_EXPECTED = sys.platform == "linux" and platform.machine() == "x86_64"  # setup.py
 
 
+@pytest.mark.slow
 def test_mimalloc_preloaded_and_a_freed_block_is_not_faulted_in_again():
   """The re-exec preloads mimalloc (a setup.py dependency here): a 64 MB temporary freed
   between calls is reused, where glibc maps it afresh and faults it in at every call."""

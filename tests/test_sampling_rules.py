@@ -44,6 +44,7 @@ def test_accept_sampled_hand_worked_cases():
                       np.asarray([9, 9, 9])), [[9, 9, 9], [5, 9, 9], [5, 6, 9]])
 
 
+@pytest.mark.slow
 def test_draw_and_truncation_by_hand():
   p = np.float32([[0.1, 0.0, 0.6, 0.3]])
   # cumulative 0.1, 0.1, 0.7, 1.0: u picks the first token whose cumulative mass exceeds u.
@@ -101,6 +102,7 @@ PROB_CASES = [  # (logits, temperature, top_k, top_p)
 ]
 
 
+@pytest.mark.slow
 def test_probs_equal_an_independent_numpy_reference():
   rng = np.random.default_rng(7)
   cases = PROB_CASES + [(list(rng.normal(0, 2, 7)), float(rng.uniform(0.3, 2)),
@@ -135,6 +137,7 @@ def full_sort_probs(logits_xV, sp: sampling.Settings):
     (0.1, 0, 0.9),  # flat: the nucleus is wider than the prefilter, the full sort decides
     (1.0, 10, 0.8), (1.0, 100, 0.95),  # top-k inside / beyond the prefilter
     (1.0, 50, 1.0), (1.0, 0, 1.0)])
+@pytest.mark.slow
 def test_prefiltered_truncation_equals_the_full_sort(scale, top_k, top_p):
   rng = np.random.default_rng(0)
   logits_xV = jnp.asarray(scale * rng.standard_normal((2, 5, 300)), jnp.float32)

@@ -64,6 +64,7 @@ def problems():
   return code_tasks.humaneval_problems()
 
 
+@pytest.mark.slow
 def test_all_canonical_humaneval_solutions_pass(problems):
   assert len(problems) == 164
   outs = sandbox.run_many([p.program(p.canonical) for p in problems], sandbox.Limits(), workers=2)
@@ -72,6 +73,7 @@ def test_all_canonical_humaneval_solutions_pass(problems):
   assert code_tasks.mean_pass_at_k([1] * 164, [int(o.passed) for o in outs], [1]) == {"pass@1": 1.0}
 
 
+@pytest.mark.slow
 def test_wrong_completion_fails_every_problem(problems):
   outs = sandbox.run_many([p.program("    return None\n") for p in problems], FAST, workers=2)
   assert all(o.status == "failed" for o in outs), [o for o in outs if o.status != "failed"][:3]

@@ -46,6 +46,7 @@ def _allclose(cmp):
   return cmp["worst_ratio"] <= 1.0
 
 
+@pytest.mark.slow
 def test_runs_on_eight_devices(results):
   assert results["n_devices"] == 8
 
@@ -162,6 +163,7 @@ SMALL = ("--set", "model.vocab_size=256", "--set", "model.d_model=64", "--set", 
          "--set", "train.grad_accum=2", "--batch", "16")
 
 
+@pytest.mark.slow
 def test_plan_memory_small(tmp_path):
   """The 7B preset shrunk by overrides, 8 devices, fsdp 8: both compiles, per-device numbers."""
   out = tmp_path / "plan.json"

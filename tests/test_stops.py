@@ -108,6 +108,7 @@ def byte_model(make_config, make_model):
   return model.args, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k, temperature", [(1, 0.0), (2, 0.0), (2, 1.0)])
 def test_decode_stops_rows_early_with_the_same_cut(byte_model, k, temperature):
   from mtp_jax.decoding import decode

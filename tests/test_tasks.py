@@ -248,6 +248,7 @@ def test_evaluator_polynomial(data_dir):
   assert wrong["examples"] == 20
 
 
+@pytest.mark.slow
 def test_head1_predictor_matches_greedy_decoding(make_model, make_config):
   """The evaluator's padded, segment-masked forward gives the token greedy decoding gives."""
   from mtp_jax.decoding import decode

@@ -62,6 +62,7 @@ def _batch(seed=0):
 
 @pytest.mark.parametrize("kind,tie,cut", [("parallel", True, True), ("sequential", False, True),
                                           ("parallel", True, False)])
+@pytest.mark.slow
 def test_loss_grads_and_logits_equal_unpadded(make_config, make_model, kind, tie, cut,
                                               monkeypatch):
   """cut: on one CPU device the loss multiplies the real columns only; else (as on a mesh) it
@@ -109,6 +110,7 @@ def test_loss_grads_and_logits_equal_unpadded(make_config, make_model, kind, tie
   assert np.all(np.asarray(mask_pad_logits(raw, V)).argmax(-1) < V)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["parallel", "projection", "sequential"])
 def test_decoding_never_emits_a_pad_id(make_config, make_model, kind):
   """Greedy and speculative decoding of the padded model give the unpadded model's tokens (the

@@ -10,7 +10,7 @@ import pytest
 
 from experiments import cpu_bench_report as report_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_kept_records_give_the_readme_row():

@@ -22,7 +22,8 @@ from conftest import require
 nbformat = require("nbformat")
 nbclient = require("nbclient")
 
-COLAB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "colab")
+COLAB = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                     "colab")
 
 
 def _execute(name: str, tmp_path, **params) -> nbformat.NotebookNode:

@@ -19,7 +19,7 @@ from conftest import copy_code_corpus, micro_sweep, sweep_cmd
 from mtp_jax.sweeps import scaling
 from mtp_jax.sweeps import sweep as sweep_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MICRO = os.path.join(ROOT, "experiments", "sweeps", "micro.py")
 
 

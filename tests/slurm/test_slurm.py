@@ -19,7 +19,7 @@ import pytest
 from cluster import SlurmCluster, SlurmUnavailable
 from conftest import copy_code_corpus, micro_sweep, sweep_cmd, train_cmd
 
-pytestmark = pytest.mark.slurm
+pytestmark = pytest.mark.slurm  # (conftest marks the folder too)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

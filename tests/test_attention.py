@@ -64,6 +64,7 @@ def test_training_path_equals_reference(impl, packed):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["cpu", "xla"])
 def test_cache_path_equals_reference(impl):
   """A 3-query verification window at per-row positions against a 20-slot cache whose slots
@@ -142,6 +143,7 @@ def test_fallback_reason_logged_once(caplog):
                   "path); using 'xla'"]
 
 
+@pytest.mark.slow
 def test_model_default_impl_equals_einsum_with_packed_documents():
   """The whole model (trunk + parallel head blocks) and its loss gradients under `auto` (the
   cpu kernel here) against the einsum reference, on a packed batch with padding."""

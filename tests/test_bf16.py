@@ -47,6 +47,7 @@ def test_params_and_optimizer_state_stay_float32(make_config, make_model, kind):
   assert h_NxBxSxD.dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_train_steps_close_to_float32(make_config, make_model):
   """Five AdamW steps on one batch from the same params: every step's loss within LOSS_RTOL of
   f32's, and not equal to it (bf16 really computes); params stay f32."""
@@ -117,6 +118,7 @@ def test_speculative_equals_greedy_in_bfloat16(make_config, make_model, kind):
   assert greedy.lengths.max() == 40  # not every row stops at an early EOS
 
 
+@pytest.mark.slow
 def test_loss_tolerance_rejects_a_loss_reduced_in_bfloat16(make_config, make_model):
   """LOSS_RTOL has power: on the batch of the test above, head 1's loss with its token mean
   accumulated in bf16 (a running bf16 sum, as a naive bf16 reduction does) is outside it, while

@@ -258,6 +258,7 @@ def test_meta_workdir_generates_speculative_equal_to_greedy(meta):
   assert meta["loaded"].tokenizer.pad_id == 0  # Llama's tokenizer has no pad: unk pads
 
 
+@pytest.mark.slow
 def test_deepseek_logits_match_reference(deepseek, tokens_BxS):
   args = deepseek["loaded"].model.args
   assert (args.head_kind, args.n_trunk, args.n_future) == ("sequential", DS_LAYERS, 3)
@@ -278,6 +279,7 @@ def _hf_logits(folder, tokens_BxS):
     return model(torch.from_numpy(tokens_BxS).long()).logits.numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["meta", "deepseek"])
 def test_to_hf_matches_transformers(which, meta, deepseek, tokens_BxS, tmp_path):
   fx = {"meta": meta, "deepseek": deepseek}[which]

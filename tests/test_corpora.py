@@ -199,6 +199,7 @@ def _train(root, workdir, *overrides):
     return json.load(f)
 
 
+@pytest.mark.slow
 def test_train_cli_on_tfds_corpus_with_eval(root, tfds_dir, tmp_path):
   # The subprocess never imports this file: the dataset is read from its files alone.
   s = _train(root, tmp_path / "run", "--config.data.corpus=tfds",
@@ -229,6 +230,7 @@ def _spm_shards(root, jsonl) -> str:
   return out
 
 
+@pytest.mark.slow
 def test_bad_input_one_line_exit_2_nothing_written(root, tfds_dir, prepared, jsonl, tmp_path):
   truncated = tmp_path / "truncated"
   shutil.copytree(prepared[0], truncated)

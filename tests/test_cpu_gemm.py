@@ -150,6 +150,7 @@ def test_profiles_class_it_as_a_library_dot():
   assert [(op["class"], op["library"]) for op in ops] == [("dot", True)]
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients(make_config):
   """Under nn.remat (full, and a dots-saving policy asked for with "mkl") the custom VJP is
   recomputed, not changed."""

@@ -100,6 +100,7 @@ def test_trained_ragged_batch_accepts_drafts(trained):
   assert g.tokens[0].tolist() == [CYCLE[(1 + i) % len(CYCLE)] for i in range(MAX_NEW)]
 
 
+@pytest.mark.slow
 def test_trained_eos_inside_accepted_block(trained):
   args, params = trained
   prompts = [[3, 7], [4, 12, 6, EOS, 3, 7, 1], [9, 4, 12, 6, EOS, 3, 7, 1, 9, 4, 12]]
@@ -132,12 +133,14 @@ def test_k1_is_greedy_with_one_token_per_forward(trained):
   assert s.tokens_per_forward == 1.0
 
 
+@pytest.mark.slow
 def test_k2_equals_greedy(trained):
   args, params = trained
   g, s = both(args, params, RAGGED, k=2, max_new_tokens=MAX_NEW, eos_id=-1)
   assert_same(g, s)
 
 
+@pytest.mark.slow
 def test_bad_decode_arguments(random_model):
   args, params = random_model
   kw = dict(eos_id=EOS, pad_id=PAD)

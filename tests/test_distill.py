@@ -47,6 +47,7 @@ def _records(folder):
   return [np.frombuffer(src[i], np.uint16).astype(np.int32) for i in range(len(src))]
 
 
+@pytest.mark.slow
 def test_distill_writes_greedy_continuations_resumes_and_trains(tiny, capsys):
   out = str(tiny["root"] / "out")
   argv = ["--workdir", tiny["wd"], "--source", tiny["src"], "--out", out] + FLAGS
@@ -113,6 +114,7 @@ def test_distill_errors_are_one_line(tiny, capsys):
   assert sorted(os.listdir(out)) == ["other.txt"]
 
 
+@pytest.mark.slow
 def test_distill_command_line(tmp_path):
   """The real entry point: --help exits 0; a bad flag is one `error:` line and exit status 2,
   before any workdir is read or anything written."""

@@ -135,6 +135,7 @@ def test_workdir_without_checkpoint(tmp_path, capsys):
   assert sorted(os.listdir(wd)) == ["checkpoints", "config.json"]
 
 
+@pytest.mark.slow
 def test_sampled_pass_at_k_end_to_end(workdir, tmp_path, capsys):
   """Temperature > 0 goes through decode's (speculative) sampling: a well-formed results JSON."""
   out = tmp_path / "t.json"

@@ -88,6 +88,7 @@ def test_speculative_equals_greedy_with_default_compiler_flags():
     assert case["options"] is None, case  # jaxlib's own flags: nothing to add
 
 
+@pytest.mark.slow
 def test_speculative_equals_greedy_with_cpu_defaults():
   """The CLIs' flags: batch 4 with YNNPACK's dots (options given; a chain and a tree), batch 1
   without (with, on the CPUs of runtime.YNN_ONE_ROW_CPUS)."""

@@ -46,7 +46,6 @@ def dependencies(request, make_config, make_model):
   return kind, np.asarray(plain), np.asarray(packed)
 
 
-@pytest.mark.slow
 def test_causality_by_gradients(dependencies):
   """Parallel and projection heads: h[i, t] sees embeddings at s <= t, none after. Sequential
   depth i (head i + 1) sees s <= t + i (teacher-forced x_{t+1..t+i}) and nothing beyond."""
@@ -62,6 +61,7 @@ def test_causality_by_gradients(dependencies):
         assert dep[i, t, t + i] > 0  # depth i reads the true token x_{t+i}
 
 
+@pytest.mark.slow
 def test_packed_documents_do_not_see_each_other(dependencies):
   """With segment ids, no output in document 2 depends on document 1 (trunk: head 1 is the trunk
   for projection and sequential heads; head blocks and depths: the other heads)."""
@@ -113,6 +113,7 @@ def test_scan_equals_unrolled(make_config, make_model, kind):
                cache_u, cache_s)
 
 
+@pytest.mark.slow
 def test_scan_unroll_same_maths_and_auto_by_target(make_config, make_model):
   """model.scan_unroll (layers per iteration of the scanned trunk; params stacked either way):
   the loop (1), a partial unroll with a remainder (2 of 3 layers) and auto (0: every layer on
@@ -148,6 +149,7 @@ def test_scan_unroll_same_maths_and_auto_by_target(make_config, make_model):
   assert loops[1] == loops[0] + 2, loops  # the trunk's forward and backward loops
 
 
+@pytest.mark.slow
 def test_fused_projections_same_params_and_maths(make_config):
   """model.fuse_projections: q|k|v (with Qwen2's biases and Qwen3's q/k norms) and w1|w3 as one
   matmul each ("on") against a DenseGeneral per projection ("off"): the same parameter tree and
@@ -194,7 +196,6 @@ def test_fused_projections_same_params_and_maths(make_config):
   assert dots["on"] < dots["off"], dots
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["parallel", "sequential"])
 def test_remat_equals_no_remat(make_config, make_model, kind):
   """remat_policy 'full' and 'dots_saveable' against 'none': same parameter tree, same outputs,
@@ -306,6 +307,7 @@ def _seq_config(make_config, concat="emb_first", trunk_state="post_norm",
   return c
 
 
+@pytest.mark.slow
 def test_sequential_variants_change_what_they_should(make_config, make_model):
   base_model, params = make_model(_seq_config(make_config))
   variants = {

@@ -146,6 +146,7 @@ def test_batch_slices_auto(make_config, monkeypatch):
   assert steps_lib.batch_slices(c) == 4
 
 
+@pytest.mark.slow
 def test_bf16_compute_trains(make_config):
   c = make_config("parallel", 2)
   c.model.dtype = "bfloat16"

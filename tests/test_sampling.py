@@ -110,6 +110,7 @@ def test_speculative_sampling_is_exact_in_distribution(model):
     assert r.accepted_hist[-1] > 0.01 * total, r.accepted_hist  # the second draft too
 
 
+@pytest.mark.slow
 def test_plain_sampling_is_exact_in_distribution():
   m, params = make("parallel")  # head 1 alone: one kind is enough
   sp = SETTINGS[1]
@@ -218,6 +219,7 @@ def test_greedy_equals_no_cache_reference_and_temperature_zero(model):
   np.testing.assert_array_equal(r.tokens, want)
 
 
+@pytest.mark.slow
 def test_seeds_and_rows():
   m, params = make("sequential")
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD, k=K, temperature=1.0)

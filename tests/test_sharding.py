@@ -51,6 +51,7 @@ def test_runs_on_eight_devices(results):
   assert results["n_devices"] == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mesh", MESHES)
 def test_loss_and_grads_equal_one_device(results, kind, mesh):
@@ -63,6 +64,7 @@ def test_loss_and_grads_equal_one_device(results, kind, mesh):
   assert r["activation_constraints"] > 0  # block outputs pinned (sharding.activation_rules)
 
 
+@pytest.mark.slow
 def test_family_features_shard(results):
   """q/k/v biases split over `tensor` like their heads; loss and gradients equal one device's
   with biases, q/k norms, a head_dim of its own, llama3 RoPE and a sliding window (the parallel
@@ -73,6 +75,7 @@ def test_family_features_shard(results):
                                  for v in r["bias_specs"].values()), r["bias_specs"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", HEADS_ON_TENSOR)
 def test_stacked_head_axis_sharded_by_a_rule(results, name):
   """("mtp_heads", "tensor") first in the rules: the stacked head params split over `tensor`
@@ -85,6 +88,7 @@ def test_stacked_head_axis_sharded_by_a_rule(results, name):
   assert all(v.startswith("P(None") for k, v in default.items() if k.endswith("['kernel']"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ("parallel", "sequential"))
 def test_byte_vocabulary_padded_on_tensor_2(results, kind):
   """259 ids do not split over tensor = 2; padded to 384 rows (model.vocab_multiple) they do,
@@ -98,12 +102,14 @@ def test_byte_vocabulary_padded_on_tensor_2(results, kind):
   assert d["max_token"] < 259
 
 
+@pytest.mark.slow
 def test_train_step_on_mesh_equals_one_device(results):
   """One real step (AdamW update, donated state, sharded optimizer state) on (2,2,2)."""
   r = results["train_step_2,2,2"]
   assert _allclose(r["params_cmp"]) and _allclose(r["metrics_cmp"]), r
 
 
+@pytest.mark.slow
 def test_fsdp8_bytes_per_device(results):
   """Params and Adam moments: device 0 holds ~1/8 (norm scales stay replicated)."""
   b = results["bytes_fsdp8"]
@@ -112,6 +118,7 @@ def test_fsdp8_bytes_per_device(results):
     assert 1 / 8 <= share < 1.05 / 8, (what, share, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ("2,2,2", "8,1,1", "1,1,1"))
 def test_checkpoint_from_fsdp_restores_on_other_mesh(results, target):
   r = results["checkpoint_from_1,8,1"][target]
@@ -120,11 +127,13 @@ def test_checkpoint_from_fsdp_restores_on_other_mesh(results, target):
 
 @pytest.mark.parametrize("case", ("parallel/2,2,2", "parallel/1,8,1", "sequential/2,2,2",
                                   "sequential/1,8,1"))
+@pytest.mark.slow
 def test_decode_on_mesh_equals_one_device(results, case):
   r = results["decode"][case]
   assert r["tokens_equal"] and r["lengths_equal"] and r["cycles"] == r["cycles_one_device"], r
 
 
+@pytest.mark.slow
 def test_clear_errors(results):
   e = results["errors"]
   assert e["mesh_2,2,2_on_4_devices"].startswith("config.mesh: data*fsdp*tensor = 8 but there "

@@ -74,6 +74,7 @@ def reference(corpus, tmp_path_factory):
   return {"workdir": wd, "summary": summary(wd), "stdout": p.stdout}
 
 
+@pytest.mark.slow
 def test_reference_run_outputs(reference):
   s, wd = reference["summary"], reference["workdir"]
   assert s["step"] == 20
@@ -102,6 +103,7 @@ import torch  # noqa: F401  (still importable afterwards)
 """
 
 
+@pytest.mark.slow
 def test_metrics_writer_keeps_torch_out_and_writes_tensorboard_scalars(tmp_path):
   """tensorboardX imports torch where it is installed (seconds at every run's start):
   MetricsWriter's import keeps it out, torch still imports afterwards, and the event file holds
@@ -134,6 +136,7 @@ def test_rerun_of_finished_run_keeps_summary(corpus, reference, tmp_path):
   assert json.loads(p.stdout.strip().splitlines()[-1])["tokens_per_sec"] == before["tokens_per_sec"]
 
 
+@pytest.mark.slow
 def test_exact_resume_after_stop(corpus, reference, tmp_path):
   wd = tmp_path / "run"
   run_train(corpus, wd, "--config.train.stop_at=10")
@@ -150,6 +153,7 @@ def test_exact_resume_after_stop(corpus, reference, tmp_path):
   assert batch_hashes(wd) == batch_hashes(reference["workdir"])
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume(corpus, reference, tmp_path):
   wd = tmp_path / "run"
   p = subprocess.Popen(train_cmd(corpus, wd, "--config.train.checkpoint_every=2"),
@@ -166,6 +170,7 @@ def test_kill_9_then_resume(corpus, reference, tmp_path):
   assert summary(wd)["params_sha256"] == reference["summary"]["params_sha256"]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_current_step_then_resumes_exactly(corpus, tmp_path):
   """SIGTERM mid-run saves the step it is at and exits 0; resumed to a later stop_at, the run
   ends with the params of one never interrupted. train.steps is large so the signal surely lands

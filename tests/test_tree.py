@@ -72,6 +72,7 @@ def test_tree_greedy_equals_greedy_ragged(model, spec):
     assert t.forwards < g.forwards
 
 
+@pytest.mark.slow
 def test_tree_eos_inside_a_tree(model):
   """An EOS that head 1 emits inside an accepted path ends the row there."""
   args, params = model
@@ -163,6 +164,7 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   assert r.tree == best["tree"] and best["nodes"] > best["heads"]
 
 
+@pytest.mark.slow
 def test_forward_times_run_every_window_in_a_compiled_loop(model):
   """The cost model's inputs (costmodel.forward_times): the chain of 1, a chain and a tree, each
   run inside a compiled loop at two trip counts (the tree with its mask); a time per window,

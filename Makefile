@@ -88,7 +88,7 @@ demo: install
 	$(BIN)/python -m experiments.demo_report --workdir $(DEMO_DIR) \
 	  --decode_json $(DEMO_DIR)/decode.json
 
-# Every CPU-speed figure of README "CPU speed by machine" for this machine, named by TAG (e.g.
+# Every CPU-speed figure of docs/cpu_speed.md's "The machines" for this machine, named by TAG (e.g.
 # make cpu-bench TAG=xeon_amx): the train step against PyTorch, greedy decoding against HF
 # generate, the decoding program's compile options, the one-core train-step profile, then prints
 # what they say (experiments/cpu_bench_report.py). Trains the demo model first where

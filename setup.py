@@ -8,8 +8,8 @@ setup(
     # experiments: so that `python experiments/X.py` finds its sibling modules (experiments.common)
     # from an editable install, as `python -m experiments.X` does from the repository root.
     packages=find_packages(include=["mtp_jax", "mtp_jax.*", "experiments"]),
-    # model.cpu_matmul's XLA FFI handler, compiled on first use (mtp_jax/cpu_gemm.py)
-    package_data={"mtp_jax": ["csrc/*.cc"]},
+    # model.cpu_matmul's XLA FFI handler, compiled on first use (mtp_jax/backends/cpu/gemm.py)
+    package_data={"mtp_jax.backends.cpu": ["csrc/*.cc"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.10,<0.11",
@@ -29,8 +29,8 @@ setup(
         "tokenizers>=0.20",  # data.tokenizer = "hf": tokenizer.json (Llama 3, Qwen, Mistral)
         "tensorboardX>=2.6",
         "matplotlib",
-        # mimalloc, preloaded by runtime.apply_cpu_defaults: a train step's ~1 GB block of XLA
-        # temporaries is kept between steps instead of mapped and faulted in again each step.
+        # mimalloc, preloaded by backends.cpu.runtime.apply_cpu_defaults: a train step's block of
+        # XLA temporaries is kept between steps instead of mapped and faulted in again each step.
         "cmeel-mimalloc>=3.2; sys_platform == 'linux' and platform_machine == 'x86_64'",
     ],
     extras_require={

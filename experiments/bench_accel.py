@@ -33,8 +33,8 @@ estimates and the S they predict with acceptances measured on a CPU-trained mode
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
-  from mtp_jax import runtime
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (docs/cpu_speed.md)
+  from mtp_jax.backends.cpu import runtime
   runtime.apply_cpu_defaults()
 
 import argparse
@@ -50,7 +50,7 @@ from mtp_jax import config as config_lib
 from mtp_jax import validation
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import flops as flops_lib
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 from mtp_jax import sharding as shard_lib
 from mtp_jax.model import param_count
 

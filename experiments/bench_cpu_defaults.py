@@ -1,4 +1,5 @@
-"""Train-step time under the CPU defaults of `mtp_jax.runtime`, each attention kernel and remat.
+"""Train-step time under the CPU defaults of `mtp_jax.backends.cpu.runtime`, each attention
+kernel and remat.
 
     python experiments/bench_cpu_defaults.py --json experiments/results/bench_cpu_defaults.json
     python experiments/bench_cpu_defaults.py --envs ynn_off+hugetlb --impls cpu \
@@ -24,11 +25,11 @@ import time
 import numpy as np
 
 from experiments import common
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 
 _HEAP = (runtime.HUGETLB
          + ":glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184")
-# name -> environment changes; "none" is what a user got before mtp_jax.runtime.
+# name -> environment changes; "none" is what a user got before mtp_jax.backends.cpu.runtime.
 ENVS = {
     "none": {},
     "ynn_off": {"XLA_FLAGS": runtime.CPU_XLA_FLAGS[0]},
@@ -69,7 +70,7 @@ def worker(args):
       run()
       steps.append((time.perf_counter() - t, time.process_time() - cpu))
     # The first step after the worker sat idle (the other variants' turns) pays extra kernel
-    # time (README, "CPU speed"); with a burst it is kept apart and the rest are the figure.
+    # time (docs/cpu_speed.md); with a burst it is kept apart and the rest are the figure.
     rest = steps[1:] or steps
     print(json.dumps({"s": float(np.median([a for a, _ in rest])),
                       "cpu_s": float(np.median([b for _, b in rest])),

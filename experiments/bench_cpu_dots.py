@@ -18,7 +18,7 @@ import argparse
 import os
 import time
 
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 
 if __name__ == "__main__":  # before jax starts: XLA flags, malloc huge pages (README)
   runtime.apply_cpu_defaults()

@@ -37,8 +37,8 @@ cannot flatter it).
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
-  from mtp_jax import runtime
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (docs/cpu_speed.md)
+  from mtp_jax.backends.cpu import runtime
   runtime.apply_cpu_defaults()
 
 import argparse
@@ -50,7 +50,7 @@ import numpy as np
 
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import loss as loss_lib
-from mtp_jax import runtime
+from experiments import common
 from mtp_jax.decoding import speed
 from mtp_jax.data import corpus, pipeline
 from mtp_jax.workdir import load_workdir
@@ -256,7 +256,7 @@ def main():
         if args.json:  # after every cell: a long grid cut short keeps what it measured
           os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
           with open(args.json, "w") as f:
-            json.dump(runtime.stamp(records), f, indent=2)
+            json.dump(common.stamp(records), f, indent=2)
   png_dir = args.png_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)
   if png_dir:
     plots(records, png_dir, args.png_prefix)

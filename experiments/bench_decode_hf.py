@@ -24,7 +24,7 @@ ratio and its quartiles: a code change judged in one run.
 from __future__ import annotations
 
 if __name__ == "__main__":  # before JAX starts: the CPU defaults (docs/cpu_speed.md)
-  from mtp_jax import runtime
+  from mtp_jax.backends.cpu import runtime
   runtime.apply_cpu_defaults()
 
 import argparse

@@ -16,8 +16,8 @@ ignored (fixed work).
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
-  from mtp_jax import runtime
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (docs/cpu_speed.md)
+  from mtp_jax.backends.cpu import runtime
   runtime.apply_cpu_defaults()
 
 import argparse
@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from experiments import common
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 from mtp_jax.decoding import decode as decode_lib
 
 OPTION_SETS = {"eigen": None, "ynn": {runtime.YNN_FUSION_OPTION: runtime.DECODE_YNN_FUSIONS},

@@ -18,7 +18,7 @@ import argparse
 import os
 import time
 
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 
 if __name__ == "__main__":  # before jax starts: XLA flags, malloc huge pages (README)
   runtime.apply_cpu_defaults()
@@ -105,7 +105,7 @@ def main():
                 "d_ff": args.d_ff, "n_future": 4, "vocab_size": 32000, "remat_policy": "full"},
       "batch": {"batch_size": args.batch_size, "seq_len": args.seq_len},
       "warmup": args.warmup, "rounds": args.rounds,
-      "machine": dict(runtime.machine_info(), load_avg_1min_before=load_before[0],
+      "machine": dict(common.machine_info(), load_avg_1min_before=load_before[0],
                       load_avg_1min_after=os.getloadavg()[0], jax=jax.__version__),
   }
   common.emit(out, args.json, indent=1)

@@ -31,7 +31,6 @@ import numpy as np
 
 from experiments import common
 from mtp_jax import config as config_lib
-from mtp_jax import runtime
 from mtp_jax import validation
 from mtp_jax.loss import model_loss, mtp_loss, naive_mtp_loss
 from mtp_jax.model import build_model, init_params, param_count
@@ -173,7 +172,7 @@ def main(argv=None):
   for r in records:
     r["config"] = {**(LOSS if r["what"] == "loss" else MODEL), **common}
   with open(args.json, "w") as f:
-    json.dump(runtime.stamp(records), f, indent=1)
+    json.dump(common.stamp(records), f, indent=1)
   print(table(records))
   if args.png:
     plot(records, args.png)

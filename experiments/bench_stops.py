@@ -11,15 +11,15 @@ identical (sampled rows too: each row's stream is keyed by its position), and th
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
-  from mtp_jax import runtime
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (docs/cpu_speed.md)
+  from mtp_jax.backends.cpu import runtime
   runtime.apply_cpu_defaults()
 
 import argparse
 import os
 
 from experiments import common
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 from mtp_jax.evaluation import code_tasks, passk
 from mtp_jax.generate import load_workdir
 
@@ -61,7 +61,7 @@ def main():
       "seconds_post_hoc": round(runs["post_hoc"]["seconds"], 3),
       "seconds_in_loop": round(runs["in_loop"]["seconds"], 3),
       "identical_completions": runs["post_hoc"]["completions"] == runs["in_loop"]["completions"],
-      "machine": runtime.machine_info()}
+      "machine": common.machine_info()}
   common.emit(result, a.out, indent=1)
 
 

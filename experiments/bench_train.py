@@ -15,7 +15,7 @@ mtp_jax (heads.kind = "projection") for n_future 1 and 4. Each (framework, n_fut
 process (as a user runs either one) that builds its step and then waits; the driver asks them
 for one step each, round after round, and reports tokens/s and the ratio, both of medians and as
 the median same-round ratio. `--in_process` runs all four in this one process instead (PyTorch's
-steps then slow the JAX steps down; README, "CPU speed").
+steps then slow the JAX steps down; docs/cpu_speed.md).
 
 `--peer --ref_tree DIR` adds another checkout's JAX step (a worker started in DIR) and records
 this code's speed over it as the median same-round ratio: a code change judged in one run.
@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 
 if __name__ == "__main__":  # before jax starts: XLA flags, malloc huge pages (README)
   runtime.apply_cpu_defaults()
@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 from experiments import common
-from mtp_jax import cpu_gemm
+from mtp_jax.backends.cpu import gemm as cpu_gemm
 from mtp_jax import steps as steps_lib
 from mtp_jax import validation
 from mtp_jax.config import load_file
@@ -170,14 +170,14 @@ def _peer_runs(args, overrides):
 def peer(args, overrides):
   """JAX projection heads against the PyTorch seed design, n_future 1 and 4, interleaved step by
   step. By default every (framework, n_future) is its own process, as a user runs either: in one
-  process the PyTorch steps slow the JAX steps after them down by 1.2-1.7x (README, CPU speed)."""
+  process the PyTorch steps slow the JAX steps after them down by 1.2-1.7x (docs/cpu_speed.md)."""
   runs, procs = _peer_runs(args, overrides)
   for _ in range(args.warmup):
     for one, _ in runs.values():
       one(1)
   # A round: each run in turn takes `--burst` back-to-back steps; the first one after the
   # others' turn is kept apart (JAX's first step after seconds idle is 1.3x slower, PyTorch's
-  # is not: README, CPU speed); the round's time is the median of the rest, as in a training
+  # is not: docs/cpu_speed.md); the round's time is the median of the rest, as in a training
   # loop. Rounds interleave the frameworks, so the machine's noise hits both alike.
   times = {v: [] for v in runs}
   cpu_times = {v: [] for v in runs}

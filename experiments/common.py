@@ -72,10 +72,9 @@ def same_round(ref_s, new_s) -> tuple[float, list[float]]:
 
 
 def write_json(record, path: str | None, indent: int = 2) -> str:
-  """`record` stamped with the machine it ran on (`runtime.stamp`) as JSON text, written to
+  """`record` stamped with the machine it ran on (`stamp`) as JSON text, written to
   `path` (its folder made) when given; returns the text."""
-  from mtp_jax import runtime
-  text = json.dumps(runtime.stamp(record), indent=indent)
+  text = json.dumps(stamp(record), indent=indent)
   if path:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -133,3 +132,40 @@ def random_batch(config, seed: int = 0, high: int | None = None) -> dict:
   high = config.model.vocab_size if high is None else high
   return {"tokens": rng.integers(0, high, (B, S)).astype(np.int32),
           "segment_ids": np.ones((B, S), np.int32)}
+
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def machine_info(accelerator: bool = True) -> dict:
+  """The machine a figure was measured on, for every bench record: CPU model, the ISA flags
+  that change XLA:CPU's kernels (AVX2, AVX-512, AMX), core count, and the accelerator JAX runs
+  on (platform, device kind, count; starts JAX's backend unless accelerator=False)."""
+  import platform
+  from mtp_jax.backends.cpu import cpuinfo
+  fields = cpuinfo.cpuinfo()
+  flags_ = set((fields.get("flags") or fields.get("Features") or "").split())
+  info = {"cpu_model": cpuinfo.cpu_model_name(), "isa": {f: f in flags_ for f in ISA_FLAGS},
+          "cpu_count": os.cpu_count(), "arch": platform.machine()}
+  vendor, family, model_id = cpuinfo.cpu_ids()
+  if family is not None or model_id is not None:
+    info["cpu_vendor"], info["cpu_family"], info["cpu_model_id"] = vendor, family, model_id
+  if accelerator:
+    import jax
+    devices = jax.devices()
+    info["accelerator"] = {"platform": devices[0].platform,
+                           "device_kind": devices[0].device_kind, "count": len(devices)}
+  return info
+
+
+def stamp(record):
+  """`record` (a dict, or a list of dicts: one bench record each) with "machine":
+  machine_info() added to every dict that lacks it (read only then: it starts JAX's backend);
+  returned for json.dump."""
+  lacking = [r for r in ([record] if isinstance(record, dict) else record)
+             if isinstance(r, dict) and "machine" not in r]
+  if lacking:
+    info = machine_info()
+    for r in lacking:
+      r["machine"] = info
+  return record

@@ -1,4 +1,5 @@
-"""What `make cpu-bench TAG=name` measured, read back: the README's row and the CPU targets.
+"""What `make cpu-bench TAG=name` measured, read back: its row of docs/cpu_speed.md's
+machines table and the CPU targets.
 
     python -m experiments.cpu_bench_report --tag xeon_amx [--json out.json]
 
@@ -6,13 +7,14 @@ Reads the records `make cpu-bench` writes into experiments/results (bench_train_
 bench_decode_hf_TAG, bench_decode_options_TAG, profile_train_TAG; a missing one is named, not
 fatal) and prints
 - the machine they name (CPU model, vendor / family / model, ISA flags);
-- the README's "CPU speed by machine" row for them, each figure the ratio of medians the
-  benchmark prints (training: mtp_jax over PyTorch tokens/s; decoding: plain greedy over HF
-  generate);
+- the row of docs/cpu_speed.md's machines table ("The machines") for them, each figure the
+  ratio of medians the benchmark prints (training: mtp_jax over PyTorch tokens/s; decoding:
+  plain greedy over HF generate);
 - each figure against the CPU targets (TARGETS: training >= 1.0x PyTorch at n_future 1 and
   >= 0.9x at 4, greedy decoding >= 2.5x HF generate at batch 1 and >= 1.2x at 8), with the
   same-round median beside it;
-- per batch of the decoding options' benchmark, the option set `runtime.decode_compiler_options`
+- per batch of the decoding options' benchmark, the option set
+  `backends.cpu.runtime.decode_compiler_options`
   picks on that CPU (`rule`) and whether another set was faster beyond its quartiles (then the
   rule, e.g. `runtime.YNN_ONE_ROW_CPUS`, is worth revisiting for that CPU);
 - the one-core profile's untraced steps, mtp_jax over PyTorch.
@@ -106,11 +108,11 @@ def profile_ratios(records: dict) -> dict:
 
 
 def ratio_text(ratio: float) -> str:
-  """As the README writes a ratio: 2 decimals, 1 from 5x up."""
+  """As docs/cpu_speed.md writes a ratio: 2 decimals, 1 from 5x up."""
   return f"{ratio:.1f}x" if ratio >= 5 else f"{ratio:.2f}x"
 
 
-def readme_row(tag: str, machine: dict, figs: dict) -> str:
+def table_row(tag: str, machine: dict, figs: dict) -> str:
   cell = lambda name: ratio_text(figs[name]["ratio"]) if name in figs else "-"
   isa = machine.get("isa", {})
   kind = ("AVX-512 + AMX" if isa.get("amx_tile") else "AVX-512, no AMX" if isa.get("avx512f")
@@ -131,7 +133,7 @@ def report(tag: str, results: str = RESULTS) -> dict:
   targets = {name: {"at_least": at_least, **figs[name], "met": figs[name]["ratio"] >= at_least}
              for name, at_least in TARGETS.items() if name in figs}
   return {"tag": tag, "machine": machine, "missing": [n for n in RECORDS if n not in records],
-          "figures": figs, "targets": targets, "readme_row": readme_row(tag, machine, figs),
+          "figures": figs, "targets": targets, "table_row": table_row(tag, machine, figs),
           "decode_options": option_verdicts(records),
           "one_core_jax_over_torch": profile_ratios(records)}
 
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
   print(f"machine: {machine_line(rec['machine'])}", file=sys.stderr)
   if rec["missing"]:
     print(f"missing: {', '.join(rec['missing'])}", file=sys.stderr)
-  print(f"README row:\n{rec['readme_row']}", file=sys.stderr)
+  print(f"docs/cpu_speed.md row:\n{rec['table_row']}", file=sys.stderr)
   for name, t in rec["targets"].items():
     print(f"{name}: {t['ratio']:.3f}x (same-round {t['same_round']:.3f}x), target >= "
           f"{t['at_least']}x: {'met' if t['met'] else 'NOT met'}", file=sys.stderr)

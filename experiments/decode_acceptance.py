@@ -19,9 +19,9 @@ import os
 
 import numpy as np
 
+from experiments import common
 from experiments.bench_decode import heldout_prompts
 from mtp_jax.decoding import decode as decode_lib
-from mtp_jax import runtime
 from mtp_jax.workdir import load_workdir
 
 
@@ -48,7 +48,7 @@ def main():
     print(json.dumps(run), flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(runtime.stamp(out), f, indent=2)
+      json.dump(common.stamp(out), f, indent=2)
 
 
 if __name__ == "__main__":

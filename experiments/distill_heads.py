@@ -20,8 +20,8 @@ corpus, same steps: teacher-forced acceptance per head and decoding's tokens per
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
-  from mtp_jax import runtime
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (docs/cpu_speed.md)
+  from mtp_jax.backends.cpu import runtime
   runtime.apply_cpu_defaults()
 
 import argparse
@@ -36,7 +36,7 @@ from experiments import bench_decode
 
 from experiments import common
 from mtp_jax import config as config_lib
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 from mtp_jax import validation
 from mtp_jax import convert, train
 from mtp_jax import heads as heads_lib

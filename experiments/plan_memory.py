@@ -340,13 +340,12 @@ def main(argv=None) -> int:
   print(report(records, hbm, args.config), flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      from mtp_jax import runtime
       head = {"config": args.config, "target": args.target, "overrides": args.set,
               "compiler": records[0]["compiler"],
               "compiler_version": records[0]["compiler_version"]}
       if target[0] == "tpu":
         head["what"] = aot.ESTIMATE_NOTE
-      json.dump(runtime.stamp({**head, "records": records}), f, indent=2)
+      json.dump(common.stamp({**head, "records": records}), f, indent=2)
   return 0
 
 

@@ -16,8 +16,8 @@ prompts of --prompt_len tokens; EOS is ignored (fixed work).
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
-  from mtp_jax import runtime
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (docs/cpu_speed.md)
+  from mtp_jax.backends.cpu import runtime
   runtime.apply_cpu_defaults()
 
 import argparse
@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from experiments import common, hlo_profile
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 from mtp_jax.decoding import decode as decode_lib
 
 

@@ -28,7 +28,7 @@ import os
 
 if __name__ == "__main__":  # before JAX starts: the CPU defaults, then one thread for dots
   from experiments import common
-  from mtp_jax import runtime
+  from mtp_jax.backends.cpu import runtime
   runtime.apply_cpu_defaults()
   common.one_core_before_jax()
 

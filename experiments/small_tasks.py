@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from mtp_jax import runtime
+from experiments import common
 from mtp_jax.sweeps import scaling
 from mtp_jax.sweeps import sweep as sweep_lib
 from mtp_jax import workdir as workdir_lib
@@ -85,7 +85,7 @@ def task_scores(workdir: str, limit: int | None) -> dict:
     return cached
   result = dict(tasks_eval.score_workdir(workdir, limit=limit), limit=limit)
   with open(path, "w") as f:
-    json.dump(runtime.stamp(result), f, indent=2)
+    json.dump(common.stamp(result), f, indent=2)
   return result
 
 
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-      json.dump(runtime.stamp({"args": {k: v for k, v in vars(args).items()},
+      json.dump(common.stamp({"args": {k: v for k, v in vars(args).items()},
                                "runs": records}), f, indent=2)
     print(f"wrote {args.json}")
   if args.png and records:

@@ -21,7 +21,7 @@ import sys
 
 if __name__ == "__main__":  # before JAX starts
   from experiments import common
-  from mtp_jax import runtime
+  from mtp_jax.backends.cpu import runtime
   runtime.apply_cpu_defaults()
   if "--one_core" in sys.argv:
     common.one_core_before_jax()

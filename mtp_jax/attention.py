@@ -33,14 +33,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax import sharding
+from mtp_jax.attention_mask import NEG, visible_BxSxT as _visible_BxSxT
+from mtp_jax.backends.cpu.attention import cpu_attention
+from mtp_jax.backends.platform import target_platform
 
 IMPLS = ("auto", "einsum", "cpu", "xla", "cudnn", "splash")
-NEG = -1e30  # finite: a fully masked row (a padding query) stays a uniform softmax, never NaN
-CPU_QUERY_BLOCKS = 4  # query blocks of the cpu kernel's causal pass (measured: see README)
 _logged: set[str] = set()
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,6 @@ def _note_fallback(asked: str, used: str, why: str):
   if msg not in _logged:
     _logged.add(msg)
     log.warning(msg)
-
-
-def target_platform() -> str:
-  """'cpu', 'gpu', 'tpu': the platform of the mesh in context (its devices may be a topology's
-  abstract ones, compiled for ahead of time), else the default backend's."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return device.platform if device is not None else jax.default_backend()
 
 
 def resolve(impl: str, *, cached: bool, segments: bool, dtype, backend: str | None = None) -> str:
@@ -118,32 +111,6 @@ def attend(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS=None,
     return xla_attention(*args, cached=cached, implementation="xla", window=window)
 
 
-def _visible_BxSxT(positions_BxS, segment_ids_BxS, T: int, cached: bool, window: int = 0):
-  """Boolean [B, S, T] mask of the keys each query sees (the reference's definition)."""
-  if cached and segment_ids_BxS is None:
-    slots_T = jnp.arange(T)[None, None, :]
-    mask_BxSxT = slots_T <= positions_BxS[:, :, None]
-    if window:
-      mask_BxSxT &= positions_BxS[:, :, None] - slots_T < window
-    return mask_BxSxT
-  if cached:  # a tree window at slots positions[:, 0] + j; bit j of a query's id: it sees j
-    S = positions_BxS.shape[1]
-    j_Bx1xT = jnp.arange(T)[None, None, :] - positions_BxS[:, :1, None]
-    bit_BxSxT = (segment_ids_BxS[:, :, None] >> jnp.clip(j_Bx1xT, 0, 31)) & 1
-    mask_BxSxT = (j_Bx1xT < 0) | ((j_Bx1xT < S) & (bit_BxSxT == 1))
-    if window:  # a cache slot's position is the slot; a tree node's is its own position
-      node_BxT = jnp.take_along_axis(positions_BxS, jnp.clip(j_Bx1xT[:, 0], 0, S - 1), axis=1)
-      key_BxT = jnp.where(j_Bx1xT[:, 0] < 0, jnp.arange(T)[None, :], node_BxT)
-      mask_BxSxT &= positions_BxS[:, :, None] - key_BxT[:, None, :] < window
-    return mask_BxSxT
-  mask_BxSxT = positions_BxS[:, :, None] >= positions_BxS[:, None, :]
-  if window:
-    mask_BxSxT &= positions_BxS[:, :, None] - positions_BxS[:, None, :] < window
-  if segment_ids_BxS is not None:
-    mask_BxSxT &= segment_ids_BxS[:, :, None] == segment_ids_BxS[:, None, :]
-  return mask_BxSxT
-
-
 def einsum_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
                      cached: bool, dtype, window: int = 0):
   """The reference: f32 [B, K, G, S, T] logits over every (query, key) pair, masked by select."""
@@ -158,86 +125,6 @@ def einsum_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids
   probs = jax.nn.softmax(logits_BxKxGxSxT, axis=-1).astype(dtype)
   out_BxSxKxGxE = jnp.einsum("bkgst,btke->bskge", probs, v_BxTxKxE)
   return out_BxSxKxGxE.reshape(B, S, H, E)
-
-
-def _bias(visible, dtype=jnp.float32):
-  """0 where visible, NEG elsewhere: an add XLA fuses into the softmax, not a select."""
-  return jnp.where(visible, 0.0, NEG).astype(dtype)
-
-
-def cpu_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,
-                  cached: bool, dtype, query_blocks: int | None = None, window: int = 0,
-                  kv_heads_major: bool = False):
-  """Heads-major attention for XLA:CPU. q, k, v are transposed once to [B, K, rows, E], so every
-  matmul is a plain batched GEMM over (b, k) with the G query heads of a kv head stacked as
-  rows ([G*S, E] x [E, T]: GQA's shared keys are read once). The mask is an additive bias (the
-  causal part a compile-time constant), and without a cache the S queries are cut into
-  `query_blocks` blocks (default CPU_QUERY_BLOCKS), block i attending only to keys
-  [0, end of block i): with n blocks (n - 1) / 2n of the logits, their softmax and their
-  gradients are never computed (3/8 with 4; 8 blocks measured slower: smaller GEMMs).
-  (A profile of the einsum path: the reference's masked upper half and select made attention
-  2.5x torch's.) Without a cache, v is transposed to [B, K, E, T] instead, so the p v matmul
-  contracts the minor axis of both operands, as q k^T does: one layer's attention forward +
-  backward 1.08x faster on one core of the model-167 Xeon, the same values to the last bit
-  (docs/cpu_speed.md). `kv_heads_major`: k and v are already [B, K, T, E], as the KV cache
-  stores them, so a decoding step reads the cache in place (transposing every layer's whole
-  cache at every step took ~10% of a batch-8 greedy step on an AVX-512 Xeon)."""
-  B, S, H, E = q_BxSxHxE.shape
-  if kv_heads_major:
-    K, T = k_BxTxKxE.shape[1:3]
-    k_BxKxTxE, v_heads, v_axes = k_BxTxKxE, v_BxTxKxE, "bkte"
-  else:
-    T, K = k_BxTxKxE.shape[1:3]
-    k_BxKxTxE = k_BxTxKxE.transpose(0, 2, 1, 3)
-    v_heads, v_axes = ((v_BxTxKxE.transpose(0, 2, 1, 3), "bkte") if cached
-                       else (v_BxTxKxE.transpose(0, 2, 3, 1), "bket"))
-  G = H // K
-  n_blocks = 1 if cached else (query_blocks or CPU_QUERY_BLOCKS)
-  if S % n_blocks:
-    n_blocks = 1
-  q_BxKxGxSxE = (q_BxSxHxE * jnp.asarray(1 / np.sqrt(E), q_BxSxHxE.dtype)).reshape(
-      B, S, K, G, E).transpose(0, 2, 3, 1, 4)
-  if cached:  # decode: few queries against the whole cache, one block
-    visible_BxSxT = _visible_BxSxT(positions_BxS, segment_ids_BxS, T, True, window)
-    bias_Bx1x1xSxT = _bias(visible_BxSxT)[:, None, None]
-  Sb = S // n_blocks
-  outs = []
-  for i in range(n_blocks):
-    lo, hi = i * Sb, (i + 1) * Sb
-    Ti = T if cached else hi  # keys past the block's last query are invisible to all of it
-    q_BxKxGSbxE = q_BxKxGxSxE[:, :, :, lo:hi].reshape(B, K, G * Sb, E)
-    logits_BxKxGxSbxTi = jnp.einsum(
-        "bkqe,bkte->bkqt", q_BxKxGSbxE, k_BxKxTxE[:, :, :Ti],
-        preferred_element_type=jnp.float32).reshape(B, K, G, Sb, Ti)
-    if cached:
-      bias = bias_Bx1x1xSxT
-    else:
-      back_SbxTi = np.arange(lo, hi)[:, None] - np.arange(Ti)[None, :]  # query - key index
-      causal_SbxTi = (back_SbxTi >= 0) & ((back_SbxTi < window) if window else True)
-      bias = jnp.asarray(np.where(causal_SbxTi, 0.0, NEG).astype(np.float32))
-      if segment_ids_BxS is not None:
-        same_BxSbxTi = segment_ids_BxS[:, lo:hi, None] == segment_ids_BxS[:, None, :Ti]
-        bias = bias + _bias(same_BxSbxTi)[:, None, None]
-    v_i = jax.lax.slice_in_dim(v_heads, 0, Ti, axis=v_axes.index("t"))
-    outs.append(_softmax_times_v((logits_BxKxGxSbxTi + bias).reshape(B, K, G * Sb, Ti), v_i,
-                                 dtype, v_axes).reshape(B, K, G, Sb, E))
-  out_BxKxGxSxE = outs[0] if n_blocks == 1 else jnp.concatenate(outs, axis=3)
-  return out_BxKxGxSxE.transpose(0, 3, 1, 2, 4).reshape(B, S, H, E)
-
-
-def _softmax_times_v(logits_BxKxQxT, v, dtype, v_axes: str = "bkte"):
-  """softmax(logits) v, normalised after the matmul as flash attention does: p = exp(logits -
-  max) and its row sums l, then (p v) / l. The division runs over [Q, E] instead of [Q, T], and
-  with the max held constant (softmax does not depend on it) the backward pass is p * (dP -
-  rowsum(dO * out)) / l, a sum over E, not T: one elementwise pass over [Q, T] where softmax's
-  gradient takes two (measured 1.04x on a layer's attention forward + backward, AVX-512 Xeon).
-  `v_axes`: v's einsum axes, "bkte" ([B, K, T, E]) or "bket" ([B, K, E, T])."""
-  max_BxKxQx1 = jax.lax.stop_gradient(jnp.max(logits_BxKxQxT, axis=-1, keepdims=True))
-  p_BxKxQxT = jnp.exp(logits_BxKxQxT - max_BxKxQx1)
-  sum_BxKxQx1 = jnp.sum(p_BxKxQxT, axis=-1, keepdims=True)
-  out_BxKxQxE = jnp.einsum(f"bkqt,{v_axes}->bkqe", p_BxKxQxT.astype(dtype), v,
-                           preferred_element_type=jnp.float32)
-  return (out_BxKxQxE / sum_BxKxQx1).astype(dtype)
 
 
 def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, *,

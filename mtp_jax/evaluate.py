@@ -4,7 +4,7 @@ mtp_jax.evaluation.passk; this entry point applies the CPU defaults before JAX s
 if __name__ == "__main__":
   import sys
 
-  from mtp_jax import runtime
+  from mtp_jax.backends.cpu import runtime
   runtime.apply_cpu_defaults()
 
   from mtp_jax.evaluation import passk

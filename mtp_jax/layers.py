@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mtp_jax import attention, cpu_gemm, sharding
+from mtp_jax import attention, backends, sharding
 from mtp_jax.model_args import ModelArgs
 
 Cache = dict[str, jax.Array]  # {"k": [B, K, L, E], "v": [B, K, L, E]}, heads-major
@@ -29,37 +29,16 @@ def dense_init(axes):
   return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
 
 
-def one_cpu_device() -> bool:
-  """Whether this trace compiles for a single CPU device: the mesh in context (its devices may
-  be abstract), else the default backend's devices (static: called while tracing). What the CPU
-  choices (`fuse_projections`, `scan_unroll` auto) key on."""
-  mesh = jax.sharding.get_abstract_mesh()
-  devices = jax.device_count() if mesh.empty else mesh.size
-  return attention.target_platform() == "cpu" and devices == 1
-
-
 def fuse_projections(a: ModelArgs) -> bool:
-  """model.fuse_projections resolved: "on", "off", or for "auto" `one_cpu_device()`."""
-  return a.fuse_projections == "on" or (a.fuse_projections == "auto" and one_cpu_device())
+  """model.fuse_projections resolved by the backend: "on", "off", or for "auto" on one CPU
+  device (static: called while tracing)."""
+  return backends.current().fuse_projections(a)
 
 
 def dot_general(a: ModelArgs):
-  """model.cpu_matmul resolved to the dot_general the dense layers and the loss take, for a
-  trace compiled for one CPU device: `cpu_gemm.dot_general` (MKL's sgemm for float32 products
-  of many rows) for "mkl", and for "auto" on an Intel CPU where MKL is at hand, unless a remat
-  policy saves dots (it would not know MKL's custom call for one, and recompute it);
-  lax.dot_general for "xla" and on every other target (a mesh, an accelerator). Static: called
-  while tracing."""
-  if a.cpu_matmul == "xla" or not one_cpu_device():
-    return lax.dot_general
-  if a.cpu_matmul == "auto":
-    mkl = (cpu_gemm.intel_cpu() and not a.remat_policy.startswith("dots")
-           and cpu_gemm.available())
-    return cpu_gemm.dot_general if mkl else lax.dot_general
-  if not cpu_gemm.available():  # validation says so first; a config built past it lands here
-    raise ValueError(f"model.cpu_matmul: mkl is not available here: "
-                     f"{cpu_gemm.unavailable_reason()} (auto or xla are)")
-  return cpu_gemm.dot_general
+  """The dot_general the dense layers and the loss take: the backend's (model.cpu_matmul on one
+  CPU device), else lax.dot_general. Static: called while tracing."""
+  return backends.current().dot_general(a)
 
 
 class DenseParams(nn.Module):
@@ -86,61 +65,6 @@ class DenseParams(nn.Module):
     return kernel, bias
 
 
-@jax.custom_vjp
-def silu_gate(gate_up_TxF2):
-  """silu(gate) * up of [gate | up] side by side (SwiGLU's fused w1, w3 projection), with the
-  gradient written back side by side: one elementwise pass of sigmoid(gate) reading gate, up
-  and the output's cotangent, writing [d gate | d up] that the fused projection's backward
-  GEMMs read as is. Autodiff's version took five passes on XLA:CPU (silu's derivative,
-  the products, then a copy to concatenate the two halves). Same maths."""
-  gate, up = jnp.split(gate_up_TxF2, 2, axis=-1)
-  return nn.silu(gate) * up
-
-
-def _silu_gate_fwd(gate_up_TxF2):
-  return silu_gate(gate_up_TxF2), gate_up_TxF2
-
-
-def _silu_gate_bwd(gate_up_TxF2, d_out_TxF):
-  """[d gate | d up] as one elementwise pass over a [T, 2, F] view: both halves read gate, up
-  and the cotangent broadcast over the middle axis and each writes its own formula, so XLA:CPU
-  fuses it into ONE loop writing the side-by-side gradient (sigmoid(gate) being the forward's,
-  which XLA keeps). Before, as [d gate, d up] concatenated: two fusions and a concatenate of
-  their outputs (with the sigmoid's fusion, 10.7 ms a layer of the default model's n_future 1
-  step on one core of the model-167 Xeon); now the step is 1.02x faster on two cores
-  (docs/cpu_speed.md). The same values to the last bit."""
-  T, F = d_out_TxF.shape
-  gate_up_Tx2xF = gate_up_TxF2.reshape(T, 2, F)
-  gate, up = (jnp.broadcast_to(gate_up_Tx2xF[:, i:i + 1], (T, 2, F)) for i in (0, 1))
-  d_out = jnp.broadcast_to(d_out_TxF[:, None], (T, 2, F))
-  sig = jax.nn.sigmoid(gate)
-  silu = gate * sig
-  is_gate = jax.lax.broadcasted_iota(jnp.int32, (T, 2, F), 1) == 0
-  # d silu / d x = s + x s (1 - s)
-  d = jnp.where(is_gate, d_out * up * (sig + silu * (1 - sig)), d_out * silu)
-  return (d.reshape(T, 2 * F),)
-
-
-silu_gate.defvjp(_silu_gate_fwd, _silu_gate_bwd)
-
-
-def fused_dense(x_TxD, params, dtype, split: bool = True, dot=lax.dot_general):
-  """[x @ kernel_i (+ bias_i) for (kernel_i, bias_i) in params] as ONE matmul against the kernels
-  concatenated on their output axis, then split (`split=False`: the [T, sum of widths] output
-  as is): the backward's weight gradient is one GEMM and its input gradient one GEMM instead of
-  one per projection plus their sum. Same maths as a DenseGeneral per projection (kernels
-  [D, *features])."""
-  widths = [math.prod(k.shape[1:]) for k, _ in params]
-  w_DxN = jnp.concatenate([k.reshape(k.shape[0], -1) for k, _ in params], axis=1)
-  y_TxN = dot(x_TxD.astype(dtype), w_DxN.astype(dtype), (((1,), (0,)), ((), ())))
-  if params[0][1] is not None:
-    y_TxN = y_TxN + jnp.concatenate([b.reshape(-1) for _, b in params]).astype(dtype)
-  if not split:
-    return y_TxN
-  outs = jnp.split(y_TxN, np.cumsum(widths)[:-1], axis=1)
-  return [o.reshape(x_TxD.shape[0], *k.shape[1:]) for o, (k, _) in zip(outs, params)]
-
-
 def projections(module: nn.Module, x_BxSxD, specs, use_bias: bool, dtype, fused: bool,
                 joined: bool = False, dot=lax.dot_general):
   """One projection of x per (features, logical axes, name) in `specs`, each a child named
@@ -150,7 +74,8 @@ def projections(module: nn.Module, x_BxSxD, specs, use_bias: bool, dtype, fused:
   if fused:
     params = [DenseParams(f, axes, use_bias, parent=module, name=name)(D)
               for f, axes, name in specs]
-    ys = fused_dense(x_BxSxD.reshape(B * S, D), params, dtype, split=not joined, dot=dot)
+    ys = backends.current().fused_dense(x_BxSxD.reshape(B * S, D), params, dtype,
+                                        split=not joined, dot=dot)
     return ys if joined else [y.reshape(B, S, *y.shape[1:]) for y in ys]
   assert not joined, "projections: joined needs fused"
   return [tokens_2d(nn.DenseGeneral(
@@ -228,20 +153,9 @@ def rope_frequencies(a: ModelArgs) -> tuple[np.ndarray, float]:
 
 
 def written_once(*tables_Bx_xF):
-  """The f32 tables, computed once and read by every consumer. XLA:CPU fuses a cheap producer
-  into each consumer, so the [B, S, 1, E/2] sin and cos tables of RoPE were evaluated again for
-  every head of every rope and rope gradient (48 fusions of a 6-layer train step, ~3% of it on
-  an AVX-512 Xeon), and it expands `optimization_barrier` before fusing. A dot is never fused
-  into its consumers: the tables, side by side, times the identity matrix are written once,
-  and exactly (each output is one product by 1.0 plus products by 0.0). Elsewhere (TPU dots
-  round f32 inputs by default) the barrier, which those compilers keep."""
-  if attention.target_platform() != "cpu":
-    return jax.lax.optimization_barrier(tables_Bx_xF)
-  F = tables_Bx_xF[0].shape[-1]
-  both = jnp.concatenate(tables_Bx_xF, axis=-1)
-  both = jnp.einsum("...f,fg->...g", both, jnp.eye(both.shape[-1], dtype=both.dtype),
-                    precision=jax.lax.Precision.HIGHEST)
-  return tuple(both[..., i * F:(i + 1) * F] for i in range(len(tables_Bx_xF)))
+  """The f32 tables, computed once and read by every consumer, not evaluated again in each
+  (the backend's way: an optimization barrier, or on XLA:CPU an identity dot). Same values."""
+  return backends.current().written_once(*tables_Bx_xF)
 
 
 def rope(x_BxSxHxE, positions_BxS, inv_freq: np.ndarray, attention_factor: float = 1.0,
@@ -249,9 +163,8 @@ def rope(x_BxSxHxE, positions_BxS, inv_freq: np.ndarray, attention_factor: float
   """Rotary embedding, rotate-half layout (HF Llama); Meta's interleaved-pair checkpoints need
   their q/k rows permuted on import. `inv_freq` from `rope_frequencies` (model.rope_scaling).
   `once`: the sin and cos tables through `written_once`; a batch-1 decoding step (one token)
-  passes False, since there one identity dot per rope, 6 of the step's ~110 ops for the default
-  model, costs more than evaluating its few sines again in each consumer (at batch 8 the sines
-  of every head cost more: 0.91x measured). Same values."""
+  passes False, since there writing the tables once costs more than evaluating its few sines
+  again in each consumer (at larger batches the sines of every head cost more). Same values."""
   half = x_BxSxHxE.shape[-1] // 2
   ang_BxSx1xE2 = positions_BxS[:, :, None, None].astype(jnp.float32) * jnp.asarray(inv_freq)
   sin, cos = jnp.sin(ang_BxSx1xE2), jnp.cos(ang_BxSx1xE2)
@@ -268,7 +181,7 @@ def rope(x_BxSxHxE, positions_BxS, inv_freq: np.ndarray, attention_factor: float
 def tokens_2d(fn):
   """Runs `fn` on [B*S, ...] instead of [B, S, ...]: XLA:CPU turns the weight gradient of a
   matmul that contracts two token axes into a slow loop; one token axis takes the fast GEMM
-  (measured: SwiGLU backward 2x faster)."""
+  (docs/cpu_speed.md)."""
   def wrapped(x_BxSx_, *args):
     B, S = x_BxSx_.shape[:2]
     y = fn(x_BxSx_.reshape(B * S, *x_BxSx_.shape[2:]), *args)
@@ -316,7 +229,8 @@ class Attention(nn.Module):
       # from positions[:, 0], its nodes' positions being their depths; a chain at its positions.
       slots_BxS = (positions_BxS if segment_ids_BxS is None
                    else positions_BxS[:, :1] + jnp.arange(S))
-      k_BxTxKxE, v_BxTxKxE = (_cache_write(cache[n], x, rows_Bx1, slots_BxS)
+      write = backends.current().cache_write
+      k_BxTxKxE, v_BxTxKxE = (write(cache[n], x, rows_Bx1, slots_BxS)
                               for n, x in (("k", k_BxSxKxE), ("v", v_BxSxKxE)))
       new_cache = {"k": k_BxTxKxE, "v": v_BxTxKxE}
     out_BxSxHxE = attention.attend(
@@ -327,22 +241,6 @@ class Attention(nn.Module):
         a.d_model, axis=(-2, -1), use_bias=False, dtype=a.dtype, dot_general=dot_general(a),
         kernel_init=dense_init(("heads", "head_dim", "embed")), name="wo"))(out_BxSxHxE)
     return out_BxSxD, new_cache
-
-
-def _cache_write(cache_BxKxTxE, new_BxSxKxE, rows_Bx1, slots_BxS):
-  """The cache (heads-major, [B, K, T, E]) with the new keys or values written at (row, slot),
-  one scatter that XLA updates in place: (rows, slots) index [B, S] and the slice keeps K, so
-  the update is [B, S, K, E], the new keys as they are. A single (row, slot) (one token at
-  batch 1) is written twice, the same value at the same place: XLA turns a one-index scatter
-  into a dynamic-update-slice and fuses that into every reader of the cache, each on a copy of
-  its own (about five copies of each cache per token), where a scatter stays one in-place
-  write. Duplicate indices of a scatter land in any order; here both hold the same value. On
-  XLA:CPU only (XLA:TPU's estimate of a batch-1 step grew 8% with it)."""
-  new_BxSxKxE = new_BxSxKxE.astype(cache_BxKxTxE.dtype)
-  if rows_Bx1.shape[0] * slots_BxS.shape[1] == 1 and attention.target_platform() == "cpu":
-    rows_Bx1 = jnp.concatenate([rows_Bx1, rows_Bx1], axis=1)
-    slots_BxS, new_BxSxKxE = (jnp.concatenate([x, x], axis=1) for x in (slots_BxS, new_BxSxKxE))
-  return cache_BxKxTxE.at[rows_Bx1, :, slots_BxS].set(new_BxSxKxE)
 
 
 class SwiGLU(nn.Module):
@@ -359,7 +257,8 @@ class SwiGLU(nn.Module):
       gate_BxSxF, up_BxSxF = projections(self, x_BxSxD, specs, False, a.dtype, False, dot=dot)
       return tokens_2d(down)(nn.silu(gate_BxSxF) * up_BxSxF)
     gate_up_TxF2 = projections(self, x_BxSxD, specs, False, a.dtype, True, joined=True, dot=dot)
-    return down(silu_gate(gate_up_TxF2)).reshape(*x_BxSxD.shape[:2], a.d_model)
+    gated_TxF = backends.current().silu_gate(gate_up_TxF2)
+    return down(gated_TxF).reshape(*x_BxSxD.shape[:2], a.d_model)
 
 
 class Block(nn.Module):

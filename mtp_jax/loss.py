@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 
 from mtp_jax import config as config_lib
-from mtp_jax import layers, sharding
+from mtp_jax import backends, layers, sharding
 from mtp_jax.model import mask_pad_logits, unembedding
 
 _SAVE_NOTHING = jax.checkpoint_policies.nothing_saveable
@@ -150,10 +150,9 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
   (layers.dot_general: XLA's, or MKL's on one CPU device)."""
   N, B, S, D = h_NxBxSxD.shape
   V = unembed_DxV.shape[1] if vocab_size is None else vocab_size
-  if V < unembed_DxV.shape[1] and layers.one_cpu_device():
-    # Nothing to shard on one CPU device: the pad columns (model.vocab_multiple) would only be
-    # multiplied and masked (the byte-level default: 384 columns for 259 ids; 1.06x at
-    # n_future 4, docs/cpu_speed.md). Same maths: pad logits are -inf, their gradient 0.
+  if V < unembed_DxV.shape[1] and backends.current().real_vocab_only():
+    # The pad columns (model.vocab_multiple) would only be multiplied and masked where nothing
+    # shards. Same maths: pad logits are -inf, their gradient 0.
     unembed_DxV = unembed_DxV[:, :V]
   C = token_chunks
   if S % C:

@@ -20,20 +20,19 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from mtp_jax import backends
 from mtp_jax import heads
-from mtp_jax import layers
 from mtp_jax import validation
 from mtp_jax.model_args import ModelArgs
 from mtp_jax.layers import Block, init_cache, norm_param, remat
 
 
 def trunk_unroll(a: ModelArgs) -> int:
-  """Layers per iteration of the scanned trunk: model.scan_unroll, or for 0 (auto) all of them
-  when compiling for a single CPU device (the mesh in context, else the default backend's
-  devices), one elsewhere (static: called while tracing)."""
+  """Layers per iteration of the scanned trunk: model.scan_unroll, or for 0 (auto) the backend's
+  choice (all of them on one CPU device, one elsewhere; static: called while tracing)."""
   if a.scan_unroll:
     return min(a.scan_unroll, a.n_trunk)
-  return a.n_trunk if layers.one_cpu_device() else 1
+  return backends.current().trunk_unroll_auto(a)
 
 
 class Trunk(nn.Module):

@@ -49,20 +49,20 @@ class ModelArgs:
   remat_policy: str = "none"
   scan_layers: bool = True
   # Trunk layers per iteration of the scanned loop (scan_layers; params stacked either way):
-  # 0 = auto: every layer, no loop, when compiled for one CPU device (the loop's stacked
-  # residuals, zero-filled, written and read back by dynamic slices, cost XLA:CPU ~20% of a
-  # train step: docs/cpu_speed.md), else 1 (compile time flat in depth); k: k per iteration.
+  # 0 = auto: the backend's choice (mtp_jax/backends): every layer, no loop, when compiled for
+  # one CPU device (XLA:CPU copies a loop's stacked residuals: docs/cpu_speed.md), else 1
+  # (compile time flat in depth); k: k per iteration.
   scan_unroll: int = 0
   # q|k|v (and the MLP's w1|w3) as one matmul against their kernels concatenated ("on"), or one
-  # matmul each ("off"); "auto": on when compiled for one CPU device (on two Xeon cores one
-  # wide GEMM beats three narrow ones: docs/cpu_speed.md), off elsewhere (under a tensor-parallel
-  # mesh the concatenation would move kernel shards). Same parameters either way.
+  # matmul each ("off"); "auto": on when compiled for one CPU device (one wide GEMM beats three
+  # narrow ones there: docs/cpu_speed.md), off elsewhere (under a tensor-parallel mesh the
+  # concatenation would move kernel shards). Same parameters either way.
   fuse_projections: str = "auto"
   # float32 matmuls (dense layers, the loss's logits) of a program compiled for one CPU device:
   # by Intel MKL's sgemm through an XLA FFI call ("mkl": the MKL inside PyTorch's CPU wheel,
-  # mtp_jax/cpu_gemm.py; an error where there is none) or by XLA's own dot ("xla"); "auto": mkl
-  # on Intel CPUs where it is at hand (two Xeon cores: a train step 1.04x, docs/cpu_speed.md;
-  # AMD CPUs, unmeasured with it, keep XLA's dot, already faster than PyTorch there). Other
+  # mtp_jax/backends/cpu/gemm.py; an error where there is none) or by XLA's own dot ("xla");
+  # "auto": mkl on Intel CPUs where it is at hand (faster there: docs/cpu_speed.md; other
+  # vendors' CPUs, unmeasured with it, keep XLA's dot). Other
   # targets (a mesh, an accelerator): XLA's. Same parameters, same maths up to float32 summation
   # order.
   cpu_matmul: str = "auto"

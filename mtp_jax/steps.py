@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
 from typing import Any
 
 import flax
@@ -28,7 +27,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from mtp_jax import layers
+from mtp_jax import backends
 from mtp_jax import loss as loss_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
@@ -77,21 +76,12 @@ def build_training(config: ml_collections.ConfigDict, mesh=None) -> Training:
 
 def batch_slices(config: ml_collections.ConfigDict) -> int:
   """train.batch_slices resolved (static: while building or tracing): the set value, or for 0
-  (auto) 2 when training on one CPU device (`layers.one_cpu_device`) that has 2 cores and a
-  micro-batch of even rows, else 1. Two cores are what it was measured on (docs/cpu_speed.md);
-  other core counts keep 1 until measured. The slices' ops run side by side on XLA:CPU's
-  thread pool, and each matmul still splits over both threads: jaxlib 0.10's thunk runtime
-  ignores `xla_cpu_multi_thread_eigen=false` (compile option or flag: a [2048, 256] x
-  [2048, 1536] weight gradient takes 2x its wall time in CPU time with it as without)."""
+  (auto) the backend's choice for a micro-batch's rows (2 on one CPU device of 2 cores, else 1:
+  `backends.cpu.ops.batch_slices_auto`)."""
   t = config.train
   if t.batch_slices:
     return t.batch_slices
-  rows = t.batch_size // t.grad_accum
-  return 2 if layers.one_cpu_device() and _cores() == 2 and rows % 2 == 0 else 1
-
-
-def _cores() -> int:
-  return len(os.sched_getaffinity(0))
+  return backends.current().batch_slices_auto(t.batch_size // t.grad_accum)
 
 
 def _dummy_tokens(config):

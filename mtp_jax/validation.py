@@ -12,7 +12,6 @@ from typing import Any
 import ml_collections
 
 from mtp_jax import attention
-from mtp_jax import cpu_gemm
 from mtp_jax import family_checks
 from mtp_jax import heads
 from mtp_jax.config import DTYPES, HEAD_WEIGHTS, base_config, parse_head_weights
@@ -73,6 +72,13 @@ def _fail(field: str, msg: str):
   raise ValueError(f"config.{field}: {msg}")
 
 
+def _mkl_unavailable() -> str | None:
+  """Why model.cpu_matmul = mkl cannot run here, else None. Imports the CPU backend's MKL
+  handler, so only a config that asks for it does."""
+  from mtp_jax.backends.cpu import gemm
+  return gemm.unavailable_reason()
+
+
 def _get(c, field: str):
   for part in field.split("."):
     c = getattr(c, part)
@@ -119,8 +125,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("model.fuse_projections", f"must be auto, on or off, got {m.fuse_projections!r}")
   if m.cpu_matmul not in ("auto", "xla", "mkl"):
     _fail("model.cpu_matmul", f"must be auto, xla or mkl, got {m.cpu_matmul!r}")
-  if m.cpu_matmul == "mkl" and not cpu_gemm.available():
-    _fail("model.cpu_matmul", f"mkl is not available here: {cpu_gemm.unavailable_reason()} "
+  if m.cpu_matmul == "mkl" and (why := _mkl_unavailable()):
+    _fail("model.cpu_matmul", f"mkl is not available here: {why} "
           f"(auto or xla are)")
   if m.scan_unroll < 0:
     _fail("model.scan_unroll", f"must be 0 (auto) or >= 1 layers per loop iteration, got "

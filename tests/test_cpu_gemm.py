@@ -1,4 +1,4 @@
-"""model.cpu_matmul / mtp_jax.cpu_gemm: MKL's sgemm through an XLA FFI handler gives XLA's dot's
+"""model.cpu_matmul / backends.cpu.gemm: MKL's sgemm through an XLA FFI handler gives XLA's dot's
 values and gradients (every split the handler makes: by rows, by columns, a batch under vmap,
 transposed operands), takes exactly the products it should, and a train step's loss and
 gradients match XLA's."""
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from mtp_jax import cpu_gemm, layers, validation
+from mtp_jax import layers, validation
+from mtp_jax.backends.cpu import gemm as cpu_gemm
 from mtp_jax.model import build_model, init_params
 
 

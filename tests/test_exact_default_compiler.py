@@ -37,7 +37,7 @@ import conftest  # MTP_JAX_TEST_FAST_COMPILE=0: leaves XLA_FLAGS alone
 flags = os.environ.get("XLA_FLAGS", "")
 assert "optimization_level" not in flags and "fusion_emitters" not in flags, flags
 import numpy as np
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 from mtp_jax.decoding import decode
 out = {"xla_flags": flags, "cases": []}
 CASES = json.loads(sys.argv[2])
@@ -62,7 +62,7 @@ print("RESULT" + json.dumps(out))
 
 
 def _check(cases, cpu_defaults: bool):
-  from mtp_jax import runtime
+  from mtp_jax.backends.cpu import runtime
   env = dict(os.environ, MTP_JAX_TEST_FAST_COMPILE="0", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   flags = [f for f in env.get("XLA_FLAGS", "").split()  # this process's conftest added them
            if not f.startswith(("--xla_backend_optimization_level", "--xla_cpu_use_fusion"))]
@@ -92,7 +92,7 @@ def test_speculative_equals_greedy_with_default_compiler_flags():
 def test_speculative_equals_greedy_with_cpu_defaults():
   """The CLIs' flags: batch 4 with YNNPACK's dots (options given; a chain and a tree), batch 1
   without (with, on the CPUs of runtime.YNN_ONE_ROW_CPUS)."""
-  from mtp_jax import runtime
+  from mtp_jax.backends.cpu import runtime
   ynn = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,"
                                                   "LIBRARY_FUSION_TYPE_REDUCE"}
   one_row = ynn if runtime.ynn_one_row() else None

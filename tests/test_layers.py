@@ -13,9 +13,9 @@ import pytest
 
 
 def test_silu_gate_gradient_is_autodiffs():
-  """layers.silu_gate (SwiGLU's gate on the fused w1|w3 output, with a hand-written backward
+  """fused.silu_gate (SwiGLU's gate on the fused w1|w3 output, with a hand-written backward
   that writes [d gate | d up] in one pass) against autodiff of silu(gate) * up."""
-  from mtp_jax.layers import silu_gate
+  from mtp_jax.backends.cpu.fused import silu_gate
   x_TxF2 = 3 * jax.random.normal(jax.random.PRNGKey(0), (16, 24))
   d_TxF = jax.random.normal(jax.random.PRNGKey(1), (16, 12))
   plain = lambda x: jax.nn.silu(x[:, :12]) * x[:, 12:]
@@ -30,7 +30,7 @@ def test_silu_gate_gradient_written_by_one_fusion_on_cpu():
   in one loop over its [T, 2, F] view: no concatenate of two halves computed apart (the earlier
   form's, 10.7 ms a layer of the default train step on the model-167 Xeon), and the first half
   is the gate's formula, the second the up's."""
-  from mtp_jax.layers import silu_gate
+  from mtp_jax.backends.cpu.fused import silu_gate
   T, D, F = 512, 32, 96
   x_TxD, w1_Dx2F, w2_FxD = (jax.random.normal(jax.random.PRNGKey(i), s)
                             for i, s in enumerate([(T, D), (D, 2 * F), (F, D)]))
@@ -80,7 +80,7 @@ def test_decode_loop_writes_the_kv_cache_in_place(batch, kv_heads):
   """Inside the compiled decoding loop no KV cache is copied: each layer's new keys and values
   are one in-place scatter into the heads-major cache, read there by attention. (At batch 1 a
   one-index scatter became a dynamic-update-slice that XLA fused into each reader, each on a
-  copy of the whole cache: 5 copies per cache and token before layers._cache_write. With one kv
+  copy of the whole cache: 5 copies per cache and token before cpu_ops.cache_write. With one kv
   head at batch > 1 XLA still relayouts the trunk's caches, [1, B, 1, T, E] {4,3,1,2,0} against
   {4,3,2,1,0}, which only a model with a single kv head meets.)"""
   from conftest import random_params, tiny_config

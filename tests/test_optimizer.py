@@ -129,9 +129,10 @@ def test_batch_slices_auto(make_config, monkeypatch):
   """train.batch_slices 0 (auto): 2 slices on one CPU device with 2 cores and even rows; 1 on
   other core counts, odd rows or a multi-device mesh; a set value is kept."""
   from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+  from mtp_jax.backends.cpu import ops as cpu_ops
   c = make_config("parallel", 2)
   c.train.batch_size = 8
-  monkeypatch.setattr(steps_lib, "_cores", lambda: 2)
+  monkeypatch.setattr(cpu_ops, "_cores", lambda: 2)
   assert steps_lib.batch_slices(c) == 2
   mesh = AbstractMesh((2, 1, 1), ("data", "fsdp", "tensor"), abstract_device=AbstractDevice(
       device_kind="cpu", num_cores=1, platform="cpu"))
@@ -140,7 +141,7 @@ def test_batch_slices_auto(make_config, monkeypatch):
   c.train.grad_accum = 8  # micro-batches of one row
   assert steps_lib.batch_slices(c) == 1
   c.train.grad_accum = 1
-  monkeypatch.setattr(steps_lib, "_cores", lambda: 4)
+  monkeypatch.setattr(cpu_ops, "_cores", lambda: 4)
   assert steps_lib.batch_slices(c) == 1
   c.train.batch_slices = 4
   assert steps_lib.batch_slices(c) == 4

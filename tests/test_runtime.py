@@ -1,4 +1,4 @@
-"""mtp_jax.runtime.apply_cpu_defaults, each case in a fresh subprocess (XLA_FLAGS and glibc
+"""backends.cpu.runtime.apply_cpu_defaults, each case in a fresh subprocess (XLA_FLAGS and glibc
 tunables are read once per process, and this test process's JAX is already running)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 YNN = runtime.CPU_XLA_FLAGS[0]
@@ -19,7 +19,7 @@ YNN = runtime.CPU_XLA_FLAGS[0]
 # Prints what the process saw after apply_cpu_defaults(), once per start of the process.
 PROBE = """
 import json, os, sys
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import runtime
 done = runtime.apply_cpu_defaults()
 out = {k: os.environ.get(k) for k in ("XLA_FLAGS", "GLIBC_TUNABLES", "MTP_JAX_REEXECED",
                                       "LD_PRELOAD", "MIMALLOC_PURGE_DELAY")}
@@ -151,20 +151,21 @@ def test_decode_compiler_options(monkeypatch):
 
 
 def test_machine_info_and_every_bench_record_names_its_machine():
-  info = runtime.machine_info()
+  from experiments import common
+  info = common.machine_info()
   assert info["cpu_count"] == os.cpu_count() and info["accelerator"]["platform"]
-  assert set(info["isa"]) == set(runtime.ISA_FLAGS)
+  assert set(info["isa"]) == set(common.ISA_FLAGS)
   if os.path.exists("/proc/cpuinfo"):
     with open("/proc/cpuinfo") as f:
       flags = next((l.split(":", 1)[1].split() for l in f if l.startswith("flags")), [])
-    assert info["isa"] == {k: k in flags for k in runtime.ISA_FLAGS}
+    assert info["isa"] == {k: k in flags for k in common.ISA_FLAGS}
     with open("/proc/cpuinfo") as f:
       family = next((l.split(":", 1)[1].strip() for l in f if l.startswith("cpu family")), None)
     assert info.get("cpu_family") == (int(family) if family else None)
     with open("/proc/cpuinfo") as f:
       vendor = next((l.split(":", 1)[1].strip() for l in f if l.startswith("vendor_id")), None)
     assert runtime.cpu_ids()[:2] == (vendor, int(family) if family else None)
-  records = runtime.stamp([{"a": 1}, {"b": 2, "machine": "kept"}])
+  records = common.stamp([{"a": 1}, {"b": 2, "machine": "kept"}])
   assert records[0]["machine"] == info and records[1]["machine"] == "kept"
   # every experiment that writes a results file stamps it (a bench record names its machine)
   folder = os.path.join(ROOT, "experiments")
@@ -174,7 +175,7 @@ def test_machine_info_and_every_bench_record_names_its_machine():
         src = f.read()
       if "json.dump(" in src or ".write(text" in src or "common.emit(" in src:
         # experiments/common.py's write_json / emit stamp what they write
-        assert ("runtime.stamp(" in src or "machine_info()" in src
+        assert ("common.stamp(" in src or "machine_info()" in src
                 or "common.emit(" in src or "common.write_json(" in src), name
   with open(os.path.join(folder, "common.py")) as f:
-    assert "runtime.stamp(record)" in f.read()
+    assert "stamp(record)" in f.read()

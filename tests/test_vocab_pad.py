@@ -20,6 +20,7 @@ from mtp_jax import convert
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import generate
 from mtp_jax import loss as loss_lib
+from mtp_jax.backends.cpu import ops as cpu_ops
 from mtp_jax.model import build_model, init_params, mask_pad_logits, unembedding
 from mtp_jax.model import logits as model_logits
 
@@ -68,7 +69,7 @@ def test_loss_grads_and_logits_equal_unpadded(make_config, make_model, kind, tie
   """cut: on one CPU device the loss multiplies the real columns only; else (as on a mesh) it
   masks the pad columns' logits."""
   if not cut:
-    monkeypatch.setattr(loss_lib.layers, "one_cpu_device", lambda: False)
+    monkeypatch.setattr(cpu_ops, "real_vocab_only", lambda: False)
   cp, model_p, params_p, c1, model1, params1 = _pair(make_config, make_model, kind, tie=tie)
   batch = _batch()
   hlo = jax.jit(lambda p: loss_lib.model_loss(p, model_p, cp, batch)[0]).lower(

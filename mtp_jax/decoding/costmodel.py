@@ -55,9 +55,8 @@ def forward_times(params, args: ModelArgs, trees: list[Tree], *, batch: int, con
   bookkeeping (acceptance, drafting, stops: timing the decode cycle itself would make a x T1 / Tc
   equal the measured speed-up by construction). A call runs the forward n times; the time per
   forward is (t(10) - t(2)) / 8, so call overhead and the cache's copy into the loop cancel.
-  (Timed as one jitted call each, a one-token forward cost 2.5x a plain decoding step on the
-  AVX-512/AMX Xeon, 2.06 against 0.82 ms, and the 4-token one relatively less: S predicted 1.33
-  for a chain measured at 0.53, bench_decode_grid_xeon_amx.json.)
+  (Timed as one jitted call each, a one-token forward cost far more than a plain decoding step,
+  and the predictions were wrong: docs/cpu_speed.md.)
   Each window compiled and warmed up, then `reps` rounds calling every window at both counts,
   and the minimum of each: on a shared machine other work only ever adds time, and interleaving
   lets every window see the same load. Measured on every call (`decode.Session.forward_times`

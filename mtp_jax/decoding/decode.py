@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import heads, runtime
+from mtp_jax import backends, heads
 from mtp_jax.decoding import costmodel
 from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.decoding import tree as tree_lib
@@ -99,7 +99,8 @@ class Decoder:
   temperature 0 in it is greedy); False, the greedy one. `tree` (a `tree.Tree`, greedy,
   parallel and projection heads, k = its levels + 1): tree drafts (`mtp_jax.decoding.tree`).
   Prompts are validated here, at the entry point. `compiler_options`: XLA's compile options,
-  by default `runtime.decode_compiler_options(batch)`; an override is for benchmarks of those
+  by default `backends.current().decode_compiler_options(batch)` (on a CPU backend,
+  `backends.cpu.runtime.decode_compiler_options`); an override is for benchmarks of those
   options (experiments/bench_decode_options.py): speculative decoding stays exact only where
   every program of a batch compiles with the same ones."""
 
@@ -125,7 +126,7 @@ class Decoder:
     t0 = time.perf_counter()
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
-    options = (runtime.decode_compiler_options(batch) if compiler_options == "auto"
+    options = (backends.current().decode_compiler_options(batch) if compiler_options == "auto"
                else compiler_options)
     if tree is None:
       self._compiled = decode_chain.lower(

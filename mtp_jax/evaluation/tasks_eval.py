@@ -18,8 +18,8 @@ when, and only when, every argmax after the true prompt and the true answer pref
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # before JAX starts: the CPU defaults (README, "CPU speed")
-  from mtp_jax import runtime
+if __name__ == "__main__":  # before JAX starts: the CPU defaults (docs/cpu_speed.md)
+  from mtp_jax.backends.cpu import runtime
   runtime.apply_cpu_defaults()
 
 import json

@@ -1,22 +1,21 @@
 """float32 matmuls on XLA:CPU through Intel MKL's sgemm instead of XLA's own GEMM.
 
-On two cores of a model-167 Xeon, XLA:CPU runs the train step's GEMMs at 0.65x-0.88x of
-torch.mm, the weight gradients worst (docs/cpu_speed.md). MKL's sgemm, called from an XLA FFI
-handler (csrc/cpu_gemm.cc) on XLA's own buffers and split over XLA's own two threads, runs them
-1.07x-1.51x faster than XLA's dot, and the train step 1.03x-1.05x. The MKL is the one inside
-PyTorch's x86-64 CPU wheels (libtorch_cpu.so exports SGEMM and MKL_Set_Num_Threads_Local): found
-where torch is installed, loaded without importing torch. The handler is compiled once per
-source and jaxlib with the C++ compiler at hand (`$CXX`, else c++) into ~/.cache/mtp_jax.
-(numpy's own OpenBLAS, through the same handler, was no faster than XLA: 0.94x a train step.)
+XLA:CPU runs a train step's GEMMs, the weight gradients worst, slower than MKL does
+(docs/cpu_speed.md has the figures per machine). This calls MKL's sgemm from an XLA FFI handler
+(csrc/cpu_gemm.cc) on XLA's own buffers, each GEMM split over XLA's own threads. The MKL is the
+one inside PyTorch's x86-64 CPU wheels (libtorch_cpu.so exports SGEMM and
+MKL_Set_Num_Threads_Local): found where torch is installed, loaded without importing torch. The
+handler is compiled once per source and jaxlib with the C++ compiler at hand (`$CXX`, else c++)
+into ~/.cache/mtp_jax.
 
-    cpu_gemm.available()          # built and registered here? (unavailable_reason() says why not)
-    y = cpu_gemm.matmul(x_MxK, w_KxN)            # differentiable: its VJP is two more sgemms
-    nn.Dense(..., dot_general=cpu_gemm.dot_general)   # flax: 2-D-able float32 contractions
+    gemm.available()          # built and registered here? (unavailable_reason() says why not)
+    y = gemm.matmul(x_MxK, w_KxN)            # differentiable: its VJP is two more sgemms
+    nn.Dense(..., dot_general=gemm.dot_general)   # flax: 2-D-able float32 contractions
 
-`model.cpu_matmul` picks it (layers.dot_general): "auto" takes it for programs compiled for one
-CPU device of an Intel CPU where it is available, and only for float32 products of MIN_ROWS rows
-or more (a decoding step's few rows stay with XLA). Same maths as XLA's dot up to float32
-summation order.
+`model.cpu_matmul` picks it (`backends.cpu.ops.dot_general`, the only importer in the library):
+"auto" takes it for programs compiled for one CPU device of an Intel CPU where it is available,
+and only for float32 products of MIN_ROWS rows or more (a decoding step's few rows stay with
+XLA). Same maths as XLA's dot up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mtp_jax import runtime
+from mtp_jax.backends.cpu import cpuinfo
 
 TARGET = "mtp_jax_sgemm"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_gemm.cc")
@@ -112,10 +111,9 @@ def available() -> bool:
 
 
 def intel_cpu() -> bool:
-  """Whether this is an Intel CPU (runtime.cpu_ids: /proc/cpuinfo): where "auto" takes MKL.
-  Measured on a Xeon; MKL's speed on other vendors' CPUs was not, and XLA's dot already beats
-  PyTorch there."""
-  return runtime.cpu_ids()[0] == "GenuineIntel"
+  """Whether this is an Intel CPU (/proc/cpuinfo): where "auto" takes MKL, the only vendor it
+  was measured faster on."""
+  return cpuinfo.cpu_ids()[0] == "GenuineIntel"
 
 
 def _sgemm(a, b, trans_a: bool = False, trans_b: bool = False):

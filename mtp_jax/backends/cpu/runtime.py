@@ -1,15 +1,15 @@
 """CPU defaults that an entry point applies before JAX starts its backend.
 
     if __name__ == "__main__":  # top of an entry-point module, before `import jax`
-      from mtp_jax import runtime
+      from mtp_jax.backends.cpu import runtime
       runtime.apply_cpu_defaults()
 
 On a CPU backend (JAX_PLATFORMS=cpu, or no GPU/TPU plugin installed) it does two things, each
 only where the user has not already decided:
 - XLA_FLAGS += CPU_XLA_FLAGS. jaxlib 0.10's XLA:CPU hands every dot to the YNNPACK library
   (`--xla_cpu_experimental_ynn_fusion_type`, default "individual_dot"); for the batched
-  attention matmuls of a small transformer its kernels are slower than XLA's own (see README,
-  "CPU speed"). A flag already in XLA_FLAGS is never overridden.
+  attention matmuls of a small transformer its kernels are slower than XLA's own
+  (docs/cpu_speed.md). A flag already in XLA_FLAGS is never overridden.
 - GLIBC_TUNABLES += glibc.malloc.hugetlb=1: malloc asks for transparent huge pages, so the
   ~1 GB of temporaries a train step allocates fault in 2 MB at a time, not 4 kB. glibc reads
   tunables once, at process start, so the process re-executes itself once with it set (same
@@ -20,8 +20,8 @@ only where the user has not already decided:
   re-exec, with MIMALLOC_PURGE_DELAY=-1: XLA:CPU takes a train step's temporaries as ONE
   block (~1 GB for the default model), which glibc maps afresh and unmaps at every step (a
   block over its 64 MB arena heaps always is, from a non-main thread, whatever the tunables),
-  so every step faulted ~500 huge pages in and zeroed them: 0.1 s of kernel time a step, and on
-  a KVM guest whose freed pages go back to the host, 0.8-1.3 s in some steps. mimalloc keeps
+  so every step faulted its pages in and zeroed them again (on a KVM guest whose freed pages go
+  back to the host, up to seconds of kernel time in some steps). mimalloc keeps
   freed memory in the process (never purged) and hands the block to the next step. Skipped
   where LD_PRELOAD is set or GLIBC_TUNABLES already names a glibc.malloc tunable (the user
   chose an allocator), and with MTP_JAX_MIMALLOC=0. Child processes inherit both, as they do
@@ -42,6 +42,8 @@ import importlib.util
 import os
 import sys
 
+from mtp_jax.backends.cpu.cpuinfo import cpu_ids
+
 OPT_OUT = "MTP_JAX_CPU_DEFAULTS"
 REEXEC_MARK = "MTP_JAX_REEXECED"
 # XLA:CPU's option naming what YNNPACK runs (a flag, and a per-program compile option).
@@ -51,8 +53,7 @@ HUGETLB = "glibc.malloc.hugetlb=1"
 MIMALLOC_OPT_OUT = "MTP_JAX_MIMALLOC"
 # Freed memory is never given back to the OS (mimalloc's default purges it after 10 ms): the
 # next train step reuses the last one's temporaries, and the process holds its peak, as glibc's
-# heap does. A purge delay of 1 s or 10 s still let mimalloc give the step's block back now and
-# then (405 huge pages faulted in again, 2.4 s of system time in that step on the AMX Xeon).
+# heap does (a purge delay of seconds still gave the step's block back now and then).
 MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "-1"}
 _ACCELERATOR_MODULES = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                         "jax_rocm7_plugin", "libtpu")
@@ -153,11 +154,8 @@ DECODE_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_RED
 
 
 # CPUs where YNNPACK's dots also win at one row, as prefixes of `cpu_ids()` (vendor_id, cpu
-# family[, model]) of /proc/cpuinfo: AMD family 25 (Zen 3 and Zen 4; greedy decoding at batch 1
-# 1.20x on a model-1 EPYC, AVX2 only, 1.12x-1.25x on a model-17 one, AVX-512), and the Intel
-# Xeon of family 6 model 167 (AVX-512 + AMX, a KVM guest: 1.10x, quartiles 1.08-1.11). A
-# family-26 EPYC measured them 4.4x slower at batch 1; every other CPU keeps XLA's own
-# matrix-vector loop at one row until measured (docs/cpu_speed.md).
+# family[, model]) of /proc/cpuinfo; every other CPU keeps XLA's own matrix-vector loop at one
+# row until measured (the measurements per CPU: docs/cpu_speed.md).
 YNN_ONE_ROW_CPUS = (("AuthenticAMD", 25), ("GenuineIntel", 6, 167))
 
 
@@ -170,11 +168,9 @@ def ynn_one_row() -> bool:
 def decode_compiler_options(batch: int) -> dict | None:
   """`compile()` options of a decoding program of `batch` rows (`decoding.decode.Decoder`):
   where the CPU defaults took YNNPACK's dots away (CPU_XLA_FLAGS in XLA_FLAGS, a CPU backend),
-  a program of 2 or more rows gets them back. Its matmuls have 2 to 16 * k rows, where Eigen's
-  GEMM was the slower (greedy decoding at batch 2 took 3.5x as long as at batch 1 on an AMD
-  EPYC of family 25; with YNNPACK's dots 1.13x-1.38x faster at batch 2-16 there, see
-  docs/cpu_speed.md). One row (a matrix-vector product) gets them on the CPUs of
-  YNN_ONE_ROW_CPUS only. Every program of a batch (plain, chain and tree, the cost model's
+  a program of 2 or more rows gets them back: its matmuls have 2 to 16 * k rows, where Eigen's
+  GEMM was the slower (docs/cpu_speed.md). One row (a matrix-vector product) gets them on the
+  CPUs of YNN_ONE_ROW_CPUS only. Every program of a batch (plain, chain and tree, the cost model's
   probes) compiles alike: speculative decoding is exact because a window's rows and a one-token
   step's are summed by the same kernels."""
   if batch < (1 if ynn_one_row() else 2):
@@ -185,74 +181,3 @@ def decode_compiler_options(batch: int) -> dict | None:
   if jax.default_backend() != "cpu":
     return None
   return {YNN_FUSION_OPTION: DECODE_YNN_FUSIONS}
-
-
-@functools.cache
-def cpuinfo() -> dict:
-  """The first CPU's fields of /proc/cpuinfo (key -> text: "vendor_id", "cpu family", "model",
-  "model name", "flags" or "Features", ...), read once; {} where there is none."""
-  fields = {}
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        key, sep, value = line.partition(":")
-        if not sep:
-          if fields:  # the blank line after the first CPU
-            break
-          continue
-        fields.setdefault(key.strip(), value.strip())
-  except OSError:
-    pass
-  return fields
-
-
-def cpu_ids() -> tuple:
-  """(vendor_id, cpu family, model) of the first CPU in /proc/cpuinfo, None where absent: a VM's
-  "AMD EPYC" names no generation, these do."""
-  info = cpuinfo()
-  def number(key):
-    value = info.get(key, "")
-    return int(value) if value.isdigit() else None
-  return info.get("vendor_id") or None, number("cpu family"), number("model")
-
-
-def cpu_model_name() -> str:
-  """The first CPU's "model name" in /proc/cpuinfo, else what `platform` says."""
-  import platform
-  return cpuinfo().get("model name") or platform.processor() or platform.machine()
-
-
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-
-
-def machine_info(accelerator: bool = True) -> dict:
-  """The machine a figure was measured on, for every bench record: CPU model, the ISA flags
-  that change XLA:CPU's kernels (AVX2, AVX-512, AMX), core count, and the accelerator JAX runs
-  on (platform, device kind, count; starts JAX's backend unless accelerator=False)."""
-  import platform
-  info_ = cpuinfo()
-  flags_ = set((info_.get("flags") or info_.get("Features") or "").split())
-  info = {"cpu_model": cpu_model_name(), "isa": {f: f in flags_ for f in ISA_FLAGS},
-          "cpu_count": os.cpu_count(), "arch": platform.machine()}
-  vendor, family, model_id = cpu_ids()
-  if family is not None or model_id is not None:
-    info["cpu_vendor"], info["cpu_family"], info["cpu_model_id"] = vendor, family, model_id
-  if accelerator:
-    import jax
-    devices = jax.devices()
-    info["accelerator"] = {"platform": devices[0].platform,
-                           "device_kind": devices[0].device_kind, "count": len(devices)}
-  return info
-
-
-def stamp(record):
-  """`record` (a dict, or a list of dicts: one bench record each) with "machine":
-  machine_info() added to every dict that lacks it (read only then: it starts JAX's backend);
-  returned for json.dump."""
-  lacking = [r for r in ([record] if isinstance(record, dict) else record)
-             if isinstance(r, dict) and "machine" not in r]
-  if lacking:
-    info = machine_info()
-    for r in lacking:
-      r["machine"] = info
-  return record

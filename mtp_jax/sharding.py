@@ -207,13 +207,15 @@ def _on_cloud_tpu() -> bool:
 # Where a launcher says how many processes it started (JAX's own variable, Slurm's srun, Open
 # MPI's mpirun): a process count > 1 in any of them is a multi-process launch. Slurm's is the job
 # step's (srun -n 2), not SLURM_NTASKS: a batch script runs once in an allocation of many tasks.
-LAUNCH_COUNT_VARS = ("JAX_NUM_PROCESSES", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")
+LAUNCHER_COUNT_VARS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")  # JAX finds the rest
+LAUNCH_COUNT_VARS = ("JAX_NUM_PROCESSES",) + LAUNCHER_COUNT_VARS
 
 
-def launched_processes() -> int:
-  """How many processes the launcher of this one started (1 when none says): what a tool that
-  runs in one process only (generate, evaluate) checks, without starting jax.distributed."""
-  for var in LAUNCH_COUNT_VARS:
+def launched_processes(variables: tuple[str, ...] = LAUNCH_COUNT_VARS) -> int:
+  """How many processes the launcher of this one started (1 when none of `variables` says):
+  what a tool that runs in one process only (generate, evaluate) checks, without starting
+  jax.distributed."""
+  for var in variables:
     try:
       n = int(os.environ.get(var, "") or 1)
     except ValueError:
@@ -271,7 +273,7 @@ def cluster_from(mesh: ml_collections.ConfigDict) -> Cluster:
     raise ValueError(f"{n_name}: must be >= 1, got {n}")
   if pid is not None and n is not None and not 0 <= pid < n:
     raise ValueError(f"{pid_name}: must be in [0, {n}) ({n_name} = {n}), got {pid}")
-  detected = launched_processes() > 1 and "JAX_NUM_PROCESSES" not in os.environ
+  detected = launched_processes(LAUNCHER_COUNT_VARS) > 1  # JAX reads the rest from Slurm / MPI
   if address and not detected and (n is None or pid is None) and not _on_cloud_tpu():
     missing = " and ".join(name for v, name in ((n, "JAX_NUM_PROCESSES / config.mesh."
                                                     "num_processes"),
@@ -297,7 +299,7 @@ def maybe_initialize_distributed(mesh: ml_collections.ConfigDict) -> bool:
   or the JAX_* variables (`cluster_from`), else JAX finds them (Slurm, Open MPI, Cloud TPU).
 
   `mesh.distributed_timeout_s` bounds both waits: for every process to arrive at start-up
-  (past it: one line naming the processes missing and exit status 5, not a hang), and for a
+  (past it: one line saying so and exit status 5, not a hang), and for a
   peer's heartbeat during the run (past it JAX ends every surviving process with a line naming
   the lost task).
   """

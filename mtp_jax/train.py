@@ -121,15 +121,16 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   validation.resolve(config)  # what it runs and saves in config.json: presets expanded
   shard_lib.maybe_initialize_distributed(config.mesh)  # before anything touches a device
   # Process 0 alone writes the run's files and prints; every process writes its own rows' log.
-  primary, process, n_processes = jax.process_index() == 0, jax.process_index(), \
-      jax.process_count()
+  process, n_processes = jax.process_index(), jax.process_count()
+  primary = process == 0
   # Process 0 builds the data set where it is missing (a corpus's tfds build) before the others
   # open it: several builders of one folder collide. Hosts with their own disks each build.
-  for turn in (True, False):
-    if primary == turn:
-      train_it = pipeline.make_iterator(config, "train")
-      next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now
-    shard_lib.sync_processes(f"mtp_jax_train_data_{turn}")
+  if not primary:
+    shard_lib.sync_processes("mtp_jax_train_data_built")
+  train_it = pipeline.make_iterator(config, "train")
+  next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now, not at eval
+  if primary:
+    shard_lib.sync_processes("mtp_jax_train_data_built")
   workdir_lib.check_resume(config, workdir)
   os.makedirs(workdir, exist_ok=True)
   shard_lib.sync_processes("mtp_jax_train_checked")  # all have read config.json before it changes

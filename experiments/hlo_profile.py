@@ -13,7 +13,7 @@ around one, forward or backward), `dot` (every other dot: the weights'), `reduce
 `copy` (copies and transposes), `loop` (a while loop, conditional or call run as one op: its
 body's time, e.g. the loss's scan over heads in a train step), `elementwise` (every other
 fusion); "(library)" marks YNNPACK / oneDNN fusions and the MKL GEMMs of model.cpu_matmul
-(mtp_jax/cpu_gemm.py's custom call).
+(mtp_jax/backends/cpu/gemm.py's custom call).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def classify(lines: list[str], comps: dict[str, list[str]]) -> dict[str, dict]:
     if opcode in ("while", "conditional", "call"):
       cls = "loop"  # its body's ops inside its event (the loss's scan over heads)
     elif opcode == "custom-call" and 'custom_call_target="mtp_jax_sgemm"' in rest:
-      cls, library = "dot", True  # model.cpu_matmul's MKL sgemm (mtp_jax.cpu_gemm.TARGET)
+      cls, library = "dot", True  # model.cpu_matmul's MKL sgemm (backends.cpu.gemm.TARGET)
     elif opcode == "dot" or " dot(" in inner:
       text = rest if opcode == "dot" else inner
       # a dot XLA rewrote may have lost its op_name: batched, it is attention's (the weights'

@@ -9,8 +9,11 @@ DEMO_PROMPTS := $(wildcard experiments/prompts/*.txt)
 
 TPU_VENV := .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed
+GPU_VENV := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
 
-.PHONY: install lint test test-fast test-tpu test-slurm demo cpu-bench clean
+.PHONY: install lint test test-fast test-tpu test-gpu-aot test-slurm accel-check demo cpu-bench \
+  clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,11 +43,11 @@ lint: install
 # edit-test loop, the unit tests without the slow ones and tests/integration (~2 minutes).
 test-fast: install
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not integration" \
-	  tests --ignore=tests/tpu --ignore=tests/slurm
+	  tests --ignore=tests/tpu --ignore=tests/gpu --ignore=tests/slurm
 
 test: lint $(TPU_STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests --ignore=tests/tpu \
-	  --ignore=tests/slurm
+	  --ignore=tests/gpu --ignore=tests/slurm
 	$(MAKE) test-tpu
 	$(MAKE) test-slurm
 
@@ -59,6 +62,22 @@ $(TPU_STAMP): setup.py
 
 test-tpu: $(TPU_STAMP)
 	$(TPU_VENV)/bin/python -m pytest -q tests/tpu
+
+# XLA:GPU ahead of time on this host, no GPU (tests/gpu: a small train step and the cuDNN flash
+# attention compiled for an H100): the CUDA plugin (the gpu-aot extra) and cuDNN, 1.6 GB, in a
+# venv of their own. cuDNN goes in with --no-deps: its wheel names cuBLAS (a 0.58 GB wheel), which
+# the compiler does not load. Not in `make test` (the venv's install would take it past ~15
+# minutes on 2 cores): run it before a release, with make accel-check's JSONs.
+CUDNN ?= nvidia-cudnn-cu12>=9.8,<10
+$(GPU_STAMP): setup.py
+	$(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q --upgrade pip
+	$(GPU_VENV)/bin/pip install -q -e ".[gpu-aot]"
+	$(GPU_VENV)/bin/pip install -q --no-deps "$(CUDNN)"
+	touch $(GPU_STAMP)
+
+test-gpu-aot: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python -m pytest -q tests/gpu
 
 # A real Slurm on this host (tests/slurm, marker slurm; docs/slurm.md): tests/slurm/cluster.py
 # installs slurm-wlm and munge with apt-get where they are missing (root), starts munged,
@@ -106,4 +125,4 @@ cpu-bench: install
 	$(BIN)/python -m experiments.cpu_bench_report --tag $(TAG) > /dev/null
 
 clean:
-	rm -rf $(VENV) $(TPU_VENV) *.egg-info
+	rm -rf $(VENV) $(TPU_VENV) $(GPU_VENV) *.egg-info

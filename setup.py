@@ -44,6 +44,11 @@ setup(
         # tpu:...): libtpu, pinned by jax's own extra to this jax. In a venv of its own
         # (make .venv-tpu): an installed libtpu changes jax's plugin discovery.
         "tpu": ["jax[tpu]>=0.10,<0.11", "pytest>=8"],
+        # Ahead-of-time XLA:GPU compiles on a host with no GPU (mtp_jax.aot, plan_memory.py
+        # --target gpu:h200:8): the CUDA plugin for this jax without the CUDA wheels of jax's
+        # cuda12 extra (cuda12-local). XLA:GPU compiles without them; the cuDNN attention lowering
+        # needs cuDNN, which make .venv-gpu/.installed adds without the cuBLAS its wheel names.
+        "gpu-aot": ["jax[cuda12-local]>=0.10,<0.11", "pytest>=8"],
         "test": [
             "pytest>=8",
             "pytest-xdist",

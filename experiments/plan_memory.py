@@ -5,6 +5,8 @@ renting the chips.
         --mesh fsdp=256 [--batch 1024] [--hbm_gib 16] [--json plan.json] [--set model.x=...]
     python experiments/plan_memory.py --config configs/paper_7b_n4.py --target tpu:v5e:16x16 \
         --mesh fsdp=256 --json plan_tpu.json      # XLA:TPU, with libtpu (make .venv-tpu)
+    python experiments/plan_memory.py --config configs/paper_7b_n4.py --target gpu:h200:8 \
+        --mesh fsdp=8 --json plan_gpu.json        # XLA:GPU, with the CUDA plugin (.venv-gpu)
 
 Simulates `--devices` CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count, set before
 jax starts; the script re-executes itself if jax was already imported), builds the config's mesh,
@@ -33,6 +35,12 @@ kernel). Memory is then XLA:TPU's buffer assignment, per chip; `--hbm_gib` defau
 chip's; and the record adds the compiler's roofline time for the step (`optimal_seconds` of
 `cost_analysis()`) and the MFU it implies (flops.py's model FLOPs over optimal_seconds x the
 datasheet peak): the TPU compiler's estimate, not a measured time. ~80 s a 7B compile.
+
+`--target gpu:h100|h200[:N|HxN|PxHxN]` compiles with XLA:GPU for N GPUs per host (H hosts), on
+this CPU host with no GPU (mtp_jax.aot: the CUDA plugin's topology from a GpuTargetConfig;
+attention_impl auto picks cudnn, whose flash-attention calls each record counts). Memory is
+XLA:GPU's, per GPU, and `--hbm_gib` defaults to the GPU's memory. XLA:GPU's cost_analysis()
+gives nothing, so a GPU record has no step time (optimal_seconds null, said in the record).
 """
 
 from __future__ import annotations
@@ -55,14 +63,14 @@ def parse_args(argv):
   p.add_argument("--config", required=True, help="an ml_collections config file")
   p.add_argument("--target", default="cpu", help=aot.TARGET_HELP)
   p.add_argument("--devices", type=int, default=0, help="simulated devices (chips): required "
-                 "for --target cpu; a TPU target's are its topology's")
+                 "for --target cpu; a TPU or GPU target's are its topology's")
   p.add_argument("--mesh", default="", help="axis sizes, e.g. fsdp=256 or data=2,fsdp=128; "
                  "axes not named keep the config's value (one -1 fills)")
   p.add_argument("--batch", type=int, default=0, help="global batch (train.batch_size); "
                  "0 keeps the config's")
   p.add_argument("--hbm_gib", type=float, default=0.0,
-                 help="memory per chip, GiB (default: a TPU target's chip; else 16, a TPU v5e; "
-                 "v4/v6e 32, v5p 95)")
+                 help="memory per chip, GiB (default: a TPU or GPU target's device; else 16, a "
+                 "TPU v5e; v4/v6e 32, v5p 95)")
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="config override, repeatable: --set model.d_model=64")
   p.add_argument("--no_baseline", action="store_true", help="skip the n_future = 1 compile")
@@ -243,6 +251,7 @@ def plan(config, n_future: int, devices=None, cost: str = "depth") -> dict:
       "dtype": c.model.dtype, "remat_policy": c.model.remat_policy,
       "attention_impl": c.model.attention_impl,
       "mosaic_kernel_calls": aot.mosaic_calls(compiled),  # splash attention on a TPU target
+      "cudnn_attention_calls": aot.cudnn_attention_calls(compiled),  # a GPU target's flash
       "token_chunks": c.loss.token_chunks,
       "state_bytes_per_device": shard_bytes(state),
       **common.memory_record(compiled),  # argument, output, alias, temp and peak bytes
@@ -290,6 +299,8 @@ def report(records: list[dict], hbm_gib: float, config_path: str) -> str:
     lines.append(f"n_future={r['n_future']}: peak {r['peak_bytes'] / scale:.2f} {unit} per device "
                  f"{verdict} {hbm_gib:g} GiB per chip ({100 * peak / hbm_gib:.0f}%; compiled in "
                  f"{r['compile_seconds']:.0f}s)")
+  if first.get("cost_analysis"):
+    lines.append(f"{first['compiler']}: {first['cost_analysis']} (no step-time estimate)")
   for r in records:
     if r["optimal_seconds"]:
       mfu = r["mfu_at_optimal_seconds"]
@@ -343,8 +354,9 @@ def main(argv=None) -> int:
       head = {"config": args.config, "target": args.target, "overrides": args.set,
               "compiler": records[0]["compiler"],
               "compiler_version": records[0]["compiler_version"]}
-      if target[0] == "tpu":
-        head["what"] = aot.ESTIMATE_NOTE
+      if devices is not None:
+        head["what"] = aot.estimate_note(devices[0])
+        head["device"] = aot.device_description(devices[0])
       json.dump(common.stamp({**head, "records": records}), f, indent=2)
   return 0
 

@@ -21,9 +21,11 @@ positions[b, 0] + j where bit j of segment_ids[b, s] is set. With `window` W > 0
 sliding window, model.sliding_window) a query also sees only the W most recent of those keys
 (query position - key position < W, as transformers' sliding-window mask).
 A kernel that cannot take a case
-(cudnn: packed segments, the cache, f32; splash: the cache, not on a TPU) hands it to `xla`
+(cudnn: the cache, f32; splash: the cache, not on a TPU) hands it to `xla`
 (`cpu` on a CPU backend), and says why once in the log. The fused kernels take causality as a
-flag, never as an [S, T] mask in memory.
+flag, never as an [S, T] mask in memory; the one mask a fused kernel gets is cudnn's for packed
+documents (jax.nn.dot_product_attention's cudnn path has no segment ids): a [B, 1, S, T]
+additive bf16 bias, a fraction of the [B, H, S, T] f32 logits `xla` would hold instead.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from mtp_jax.attention_mask import NEG, visible_BxSxT as _visible_BxSxT
 from mtp_jax.backends.cpu.attention import cpu_attention
 from mtp_jax.backends.platform import target_platform
 
-IMPLS = ("auto", "einsum", "cpu", "xla", "cudnn", "splash")
 _logged: set[str] = set()
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,6 @@ def resolve(impl: str, *, cached: bool, segments: bool, dtype, backend: str | No
       why = f"cudnn needs an NVIDIA GPU, the backend is {backend}"
     elif cached:
       why = "cudnn has no per-row cache positions (the decode path)"
-    elif segments:
-      why = "jax.nn.dot_product_attention's cudnn path takes no segment ids (packed documents)"
     elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
       why = f"cudnn flash attention takes bfloat16/float16, got {jnp.dtype(dtype).name}"
   elif impl == "splash":
@@ -104,8 +103,8 @@ def attend(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS=None,
     return xla_attention(*args, cached=cached, implementation="xla", window=window)
   try:  # the fused kernels check shapes and dtypes while tracing
     if used == "cudnn":
-      return xla_attention(*args, cached=cached, implementation="cudnn", window=window)
-    return _splash_on_mesh(*args, window=window)
+      return _on_mesh(xla_attention, *args, cached=cached, implementation="cudnn", window=window)
+    return _on_mesh(splash_attention, *args, window=window)
   except (ValueError, NotImplementedError, RuntimeError) as e:
     _note_fallback(impl, "xla", f"{used} refused this case ({str(e).splitlines()[0]})")
     return xla_attention(*args, cached=cached, implementation="xla", window=window)
@@ -132,7 +131,7 @@ def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
   """jax.nn.dot_product_attention. Causality goes in as `is_causal` (cudnn then skips the masked
   tiles) and a sliding window as `local_window_size` (window - 1 keys back, none ahead); only
   packed segments and the cache, which the API cannot express otherwise, pass a [B, 1, S, T]
-  mask (xla materialises its logits anyway)."""
+  mask (xla materialises its logits anyway; cudnn adds it as a bias)."""
   mask = None
   if cached:
     mask = _visible_BxSxT(positions_BxS, segment_ids_BxS, k_BxTxKxE.shape[1], True,
@@ -145,23 +144,24 @@ def xla_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_Bx
       is_causal=not cached, local_window_size=local, implementation=implementation)
 
 
-def _splash_on_mesh(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, **kw):
-  """splash_attention, shard_mapped over the batch and head axes of the enclosing
-  sharding.activation_rules (GSPMD cannot partition a Mosaic kernel: "Mosaic kernels cannot be
-  automatically partitioned"): each device runs the kernel on its own rows and heads (a kv head's
-  query heads stay on its device). Outside activation_rules, the plain call. `kw` goes to
-  splash_attention."""
+def _on_mesh(kernel, q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, **kw):
+  """A fused kernel (splash_attention, or xla_attention for cudnn; no cache), shard_mapped over
+  the batch and head axes of the enclosing sharding.activation_rules: GSPMD cannot partition a
+  Mosaic kernel ("Mosaic kernels cannot be automatically partitioned"), and the cudnn call's
+  custom partitioner fails on the train step's mesh (an AssertionError in jax's
+  explode_superdims, XLA:GPU for 4 H100s, fsdp=4). Each device runs the kernel on its own rows
+  and heads (a kv head's query heads stay on its device). Outside activation_rules, the plain
+  call. `kw` goes to the kernel."""
   active = sharding.active_spec(("batch", "seq", "heads", "head_dim"))
   if active is None:
-    return splash_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS,
-                            **kw)
+    return kernel(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS, **kw)
   mesh, q_spec = active
   kv_spec = sharding.active_spec(("batch", "seq", "kv_heads", "head_dim"))[1]
   rows_spec = P(*q_spec[:2])
   segments = segment_ids_BxS is not None
-  kernel = lambda q, k, v, *seg: splash_attention(q, k, v, None, seg[0] if seg else None, **kw)
+  local = lambda q, k, v, *seg: kernel(q, k, v, None, seg[0] if seg else None, **kw)
   return jax.shard_map(
-      kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + ((rows_spec,) if segments else ()),
+      local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + ((rows_spec,) if segments else ()),
       out_specs=q_spec, check_vma=False)(
           q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, *((segment_ids_BxS,) if segments else ()))
 

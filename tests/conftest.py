@@ -29,7 +29,8 @@ from mtp_jax.model import build_model, init_params  # noqa: E402
 
 
 # Folder -> the tier marker every test in it gets (pytest.ini registers them; --strict-markers).
-_FOLDER_MARKS = {"integration": "integration", "tpu": "tpu_aot", "slurm": "slurm"}
+_FOLDER_MARKS = {"integration": "integration", "tpu": "tpu_aot", "gpu": "gpu_aot",
+                 "slurm": "slurm"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,6 @@
-"""mtp_jax.aot without libtpu (the main venv): target parsing and the entry points' one-line
-errors. The XLA:TPU compiles themselves are tests/tpu (make test-tpu)."""
+"""mtp_jax.aot without libtpu or the CUDA plugin (the main venv): target parsing and the entry
+points' one-line errors. The XLA:TPU compiles themselves are tests/tpu (make test-tpu), the
+XLA:GPU ones tests/gpu (make test-gpu-aot)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,48 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("cpu", ("cpu", None)),
     ("tpu:v5e:16x16", ("tpu", "v5e:16x16")),
     ("tpu:v5p:4x4x4", ("tpu", "v5p:4x4x4")),
+    ("gpu:h100", ("gpu", "h100:1x1x1")),  # partitions x hosts x GPUs per host
+    ("gpu:h200:8", ("gpu", "h200:1x1x8")),
+    ("gpu:h200:2x8", ("gpu", "h200:1x2x8")),
+    ("gpu:h100:2x1x4", ("gpu", "h100:2x1x4")),
 ])
 def test_parse_target(text, want):
   assert aot.parse_target(text) == want
 
 
-@pytest.mark.parametrize("text", ["tpu", "tpu:v5e", "gpu:h100", "tpu:v5e:16x", "v5e:2x2"])
+@pytest.mark.parametrize("text", ["tpu", "tpu:v5e", "tpu:v5e:16x", "v5e:2x2", "gpu", "gpu:a100",
+                                  "gpu:h100:0", "gpu:h100:", "gpu:h200:1x1x1x8", "gpu:h200:8x"])
 def test_parse_target_refuses(text):
-  with pytest.raises(ValueError, match=r"^--target: got .*allowed: cpu .*tpu:v5e:16x16"):
+  with pytest.raises(ValueError, match=r"^--target: got .*allowed: cpu .*tpu:v5e:16x16.*"
+                     r"gpu:h100\|h200\[:N\|HxN\|PxHxN\]"):
     aot.parse_target(text)
+
+
+def test_prepare_env_for_a_gpu_target(monkeypatch):
+  """No GPU seen, autotuning off (nothing to time kernels on), a caller's flags kept."""
+  for k in ("CUDA_VISIBLE_DEVICES", "JAX_PLATFORMS"):
+    monkeypatch.delenv(k, raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  aot.prepare_env(("gpu", "h100:1x1x1"))
+  assert os.environ["CUDA_VISIBLE_DEVICES"] == "-1" and os.environ["JAX_PLATFORMS"] == "cpu"
+  assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_autotune_level=0"
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=2")
+  aot.prepare_env(("gpu", "h100:1x1x1"))
+  assert os.environ["XLA_FLAGS"] == "--xla_gpu_autotune_level=2"
+
+
+def test_gpu_target_config_names_the_device():
+  """The GpuTargetConfig text XLA:GPU compiles for: an H200 differs from XLA's H100 spec in
+  its memory and bandwidth only."""
+  h100, h200 = aot.gpu_target_config("h100"), aot.gpu_target_config("h200")
+  assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in h100
+  assert "core_count: 132" in h100 and "memory_bandwidth: 3352320000000" in h100
+  assert "cuda_compute_capability { major: 9 minor: 0 }" in h100
+  differ = sorted(set(h100.splitlines()) ^ set(h200.splitlines()))
+  assert sorted(line.split(":")[0].strip() for line in differ) == [
+      "device_description_str", "device_description_str", "device_memory_size",
+      "device_memory_size", "memory_bandwidth", "memory_bandwidth"]
+  assert aot.HBM_GIB["NVIDIA H200"] == 143771 / 1024
 
 
 def test_prepare_env_keeps_what_the_caller_set(monkeypatch):
@@ -41,9 +75,15 @@ def test_prepare_env_keeps_what_the_caller_set(monkeypatch):
   assert os.environ["JAX_PLATFORMS"] == "cpu"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed")
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None
+                    or importlib.util.find_spec("jax_cuda12_plugin") is not None,
+                    reason="libtpu or the CUDA plugin installed")
 @pytest.mark.parametrize("argv, want", [
     (["--target", "tpu:v5e:2x2"], "error: --target tpu:v5e:2x2: libtpu is not installed"),
+    (["--target", "gpu:h200:8"],
+     "error: --target gpu:h200:1x1x8: jax_cuda12_plugin is not installed; install "
+     "\"jax[cuda12-local]=="),
+    (["--target", "gpu:a100"], "error: --target: got 'gpu:a100', allowed: cpu"),
     (["--target", "tpu:v5e"], "error: --target: got 'tpu:v5e', allowed: cpu"),
     ([], "error: --devices: must be >= 1"),
 ])

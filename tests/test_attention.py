@@ -118,7 +118,7 @@ def test_splash_kernel_in_interpret_mode_equals_reference():
     ("auto", "cpu", False, False, jnp.float32, "cpu"),
     ("auto", "gpu", False, False, jnp.bfloat16, "cudnn"),
     ("auto", "gpu", False, False, jnp.float32, "xla"),  # cudnn flash attention is 16-bit only
-    ("auto", "gpu", False, True, jnp.bfloat16, "xla"),
+    ("auto", "gpu", False, True, jnp.bfloat16, "cudnn"),  # packed documents: a bias
     ("auto", "gpu", True, False, jnp.bfloat16, "xla"),
     ("auto", "tpu", False, True, jnp.float32, "splash"),
     ("auto", "tpu", True, False, jnp.float32, "xla"),

@@ -47,7 +47,7 @@ import numpy as np
 
 from experiments import common
 from mtp_jax import config as config_lib
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import flops as flops_lib
 from mtp_jax.backends.cpu import runtime

@@ -30,7 +30,7 @@ import time
 
 from experiments import common
 from mtp_jax import config as config_lib
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax.data import pipeline
 from mtp_jax.data import prepare
 from mtp_jax.data import sources

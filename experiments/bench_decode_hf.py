@@ -46,7 +46,7 @@ def heldout(workdir, batch, length, seed):
   import types
 
   from experiments.bench_decode import heldout_prompts
-  from mtp_jax import validation
+  from mtp_jax.config import validation
   from mtp_jax import workdir as workdir_lib
   from mtp_jax.data import tokenizers
   config = validation.resolve(workdir_lib.read_config(workdir))

@@ -28,7 +28,7 @@ import numpy as np
 
 from experiments import common
 from mtp_jax import config as config_lib
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax import heads as heads_lib
 from mtp_jax import steps as steps_lib
 from mtp_jax.model import param_count

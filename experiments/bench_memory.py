@@ -31,7 +31,7 @@ import numpy as np
 
 from experiments import common
 from mtp_jax import config as config_lib
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax.loss import model_loss, mtp_loss, naive_mtp_loss
 from mtp_jax.model import build_model, init_params, param_count
 

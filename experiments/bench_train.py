@@ -47,7 +47,7 @@ import numpy as np
 from experiments import common
 from mtp_jax.backends.cpu import gemm as cpu_gemm
 from mtp_jax import steps as steps_lib
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax.config import load_file
 from mtp_jax.model import param_count
 

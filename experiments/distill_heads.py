@@ -37,7 +37,7 @@ from experiments import bench_decode
 from experiments import common
 from mtp_jax import config as config_lib
 from mtp_jax.backends.cpu import runtime
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax import convert, train
 from mtp_jax import heads as heads_lib
 from mtp_jax.data import corpus as corpus_lib

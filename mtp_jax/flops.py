@@ -36,8 +36,7 @@ import ml_collections
 import numpy as np
 
 from mtp_jax import heads as heads_lib
-
-DTYPES = ("float32", "bfloat16")
+from mtp_jax.model_args import DTYPES
 
 # Dense (no structured sparsity) peak FLOP/s per chip: (bfloat16, float32). The float32 column
 # is what JAX's default matmul precision reaches with float32 inputs: TF32 tensor cores on

@@ -22,7 +22,6 @@ import ml_collections
 
 from mtp_jax import backends
 from mtp_jax import heads
-from mtp_jax import validation
 from mtp_jax.model_args import ModelArgs
 from mtp_jax.layers import Block, init_cache, norm_param, remat
 
@@ -111,17 +110,21 @@ class MTPModel(nn.Module):
 
 
 def model_args(config: ml_collections.ConfigDict) -> ModelArgs:
-  """The ModelArgs of `config` (validated, not changed): its head kind's presets expanded,
-  n_trunk from the kind, dtype a jnp dtype."""
-  validation.validate(config)
+  """The ModelArgs of a config that an entry point has checked (`mtp_jax.config.validation.
+  resolve`; not checked again here): its head kind's presets expanded, n_trunk from the kind,
+  dtype a jnp dtype."""
   m = config.model
+  if m.heads.kind not in heads.KINDS:  # the registry lookup below: say what is wrong
+    raise ValueError(f"config.model.heads.kind: got {m.heads.kind!r}, allowed: "
+                     f"{', '.join(map(repr, heads.KINDS))} (check a config with "
+                     "mtp_jax.config.validation.resolve)")
   return ModelArgs.from_config(m, n_trunk=heads.KINDS[m.heads.kind].n_trunk(m),
-                               dtype=jnp.dtype(m.dtype), **validation.preset_values(m.heads))
+                               dtype=jnp.dtype(m.dtype), **heads.preset_values(m.heads))
 
 
-def build_model(config: ml_collections.ConfigDict) -> MTPModel:
-  """Validates the config and returns the (unbound) model."""
-  return MTPModel(model_args(config))
+def build_model(config: ml_collections.ConfigDict | ModelArgs) -> MTPModel:
+  """The (unbound) model of a resolved config (`model_args`) or of ModelArgs."""
+  return MTPModel(config if isinstance(config, ModelArgs) else model_args(config))
 
 
 def init_params(model: MTPModel, rng: jax.Array, seq_len: int = 8) -> Any:

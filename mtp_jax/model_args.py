@@ -9,6 +9,7 @@ mtp_jax and no JAX, so reading a config loads neither.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 
@@ -22,9 +23,32 @@ def padded_vocab(vocab_size: int, vocab_multiple: int) -> int:
 DEFAULT_HEAD_KIND = "parallel"
 
 
+# Allowed values of the config.model fields with a fixed set (on the field below; config.base
+# collects them for config.validation).
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("auto", "einsum", "cpu", "xla", "cudnn", "splash")  # mtp_jax/attention.py
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # transformers' rope_type names
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # HF architectures (convert/families.py)
+
+
 def _heads(default):
   """A field of config.model.heads (a head kind's own field; the kind checks its values)."""
   return dataclasses.field(default=default, metadata={"heads": True})
+
+
+def _one_of(default, allowed: tuple):
+  """A field whose value is one of `allowed`."""
+  return dataclasses.field(default=default, metadata={"allowed": allowed})
+
+
+def _float(default: float, words: str, in_range: Callable[[float], bool]):
+  """A float field: a finite number in the range `in_range` tests (`words` says it)."""
+  return dataclasses.field(default=default, metadata={"range": (words, in_range)})
+
+
+def _positive(x):
+  return x > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +66,11 @@ class ModelArgs:
   n_kv_heads: int = 4
   d_ff: int = 768  # SwiGLU hidden size
   max_len: int = 1024  # longest sequence (prompt + completion) the model accepts
-  rope_theta: float = 10000.0
-  norm_eps: float = 1e-5
+  rope_theta: float = _float(10000.0, "> 0", _positive)
+  norm_eps: float = _float(1e-5, "> 0", _positive)
   tie_embeddings: bool = True
   n_future: int = 1
-  remat_policy: str = "none"
+  remat_policy: str = _one_of("none", REMAT_POLICIES)
   scan_layers: bool = True
   # Trunk layers per iteration of the scanned loop (scan_layers; params stacked either way):
   # 0 = auto: the backend's choice (mtp_jax/backends): every layer, no loop, when compiled for
@@ -57,7 +81,7 @@ class ModelArgs:
   # matmul each ("off"); "auto": on when compiled for one CPU device (one wide GEMM beats three
   # narrow ones there: docs/cpu_speed.md), off elsewhere (under a tensor-parallel mesh the
   # concatenation would move kernel shards). Same parameters either way.
-  fuse_projections: str = "auto"
+  fuse_projections: str = _one_of("auto", ("auto", "on", "off"))
   # float32 matmuls (dense layers, the loss's logits) of a program compiled for one CPU device:
   # by Intel MKL's sgemm through an XLA FFI call ("mkl": the MKL inside PyTorch's CPU wheel,
   # mtp_jax/backends/cpu/gemm.py; an error where there is none) or by XLA's own dot ("xla");
@@ -65,27 +89,28 @@ class ModelArgs:
   # vendors' CPUs, unmeasured with it, keep XLA's dot). Other
   # targets (a mesh, an accelerator): XLA's. Same parameters, same maths up to float32 summation
   # order.
-  cpu_matmul: str = "auto"
+  cpu_matmul: str = _one_of("auto", ("auto", "xla", "mkl"))
   # Compute dtype (params stay float32): a name in the config, a jnp dtype in the instance
   # model.model_args builds.
-  dtype: Any = "float32"
-  attention_impl: str = "auto"  # mtp_jax/attention.py: auto, einsum, cpu, xla, cudnn, splash
+  dtype: Any = _one_of("float32", DTYPES)
+  attention_impl: str = _one_of("auto", ATTENTION_IMPLS)  # mtp_jax/attention.py
   # Model families (layers.Attention; docs/finetuning_families.md): defaults are a plain Llama.
   qkv_bias: bool = False  # biases on q, k, v (Qwen2)
   qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
   # 0: d_model // n_heads (resolved in the instance); else its own size (Qwen3).
   head_dim: int = 0
   sliding_window: int = 0  # > 0: a query sees the last this-many positions (Mistral)
-  family: str = "llama"  # the HF architecture `convert to-hf` writes: llama qwen2 qwen3 mistral
+  family: str = _one_of("llama", FAMILIES)  # the HF architecture `convert to-hf` writes
   # RoPE scaling as transformers' modeling_rope_utils: none, linear, llama3, yarn.
-  rope_scaling: str = "none"
-  rope_factor: float = 1.0  # linear, llama3, yarn
-  rope_low_freq_factor: float = 1.0  # llama3
-  rope_high_freq_factor: float = 4.0  # llama3
+  rope_scaling: str = _one_of("none", ROPE_SCALINGS)
+  rope_factor: float = _float(1.0, ">= 1", lambda x: x >= 1)  # linear, llama3, yarn
+  rope_low_freq_factor: float = _float(1.0, "> 0", _positive)  # llama3
+  rope_high_freq_factor: float = _float(4.0, "> 0", _positive)  # llama3
   rope_original_max_len: int = 8192  # llama3, yarn: the pretraining context
-  rope_beta_fast: float = 32.0  # yarn
-  rope_beta_slow: float = 1.0  # yarn
-  rope_attention_factor: float = 0.0  # yarn: 0 = 0.1 ln(rope_factor) + 1
+  rope_beta_fast: float = _float(32.0, "> 0", _positive)  # yarn
+  rope_beta_slow: float = _float(1.0, "> 0", _positive)  # yarn
+  rope_attention_factor: float = _float(0.0, ">= 0 (0: from rope_factor)", lambda x: x >= 0)
+  # yarn: 0 = 0.1 ln(rope_factor) + 1
   head_kind: str = _heads(DEFAULT_HEAD_KIND)  # config.model.heads.kind: a name in heads.KINDS
   # Parallel head blocks: "vmap" runs them side by side (fast on small models); "scan" runs one
   # at a time, so only one head's activations are alive (what large models need: plan_memory).
@@ -120,6 +145,13 @@ class ModelArgs:
       out.append(("heads" if heads else "", "kind" if f.name == "head_kind" else f.name,
                   f.default))
     return out
+
+  @classmethod
+  def rules(cls, key: str) -> dict[str, Any]:
+    """{"model.FIELD": the field's `key` metadata ("allowed": a tuple, "range": (words, test))}
+    for the config.model fields that declare one."""
+    return {f"model.{f.name}": f.metadata[key] for f in dataclasses.fields(cls)
+            if key in f.metadata}
 
   @classmethod
   def from_config(cls, m, **derived) -> ModelArgs:

@@ -34,8 +34,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-# config.mesh.distributed
-DISTRIBUTED_MODES = ("auto", "on", "off")
+from mtp_jax.config.base import DISTRIBUTED_MODES  # config.mesh.distributed
 
 log = logging.getLogger(__name__)
 

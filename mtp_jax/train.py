@@ -32,9 +32,9 @@ from mtp_jax import cli
 from mtp_jax import flops as flops_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
-from mtp_jax import validation
 from mtp_jax import workdir as workdir_lib
 from mtp_jax.checkpoint import Checkpointer
+from mtp_jax.config import validation
 from mtp_jax.data import pipeline, tokenizers
 from mtp_jax.metrics import MetricsWriter, machine, write_summary
 from mtp_jax.model import param_count
@@ -78,15 +78,17 @@ class _StopFlag:
       signal.signal(s, old)
 
 
-def check_inputs(config: ml_collections.ConfigDict, workdir: str | None):
-  """Everything that can be wrong with the command line, before anything is written."""
+def check_inputs(config: ml_collections.ConfigDict, workdir: str | None
+                 ) -> ml_collections.ConfigDict:
+  """Everything that can be wrong with the command line, before anything is written; returns
+  the config resolved (checked, presets expanded: what the run saves in config.json)."""
   if config is None:
     raise ValueError("--config: required, e.g. --config configs/default.py")
   if not workdir:
     raise ValueError("--workdir: required, the folder for checkpoints and metrics")
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ValueError(f"--workdir: {workdir!r} exists and is not a folder")
-  validation.resolve(config)  # checks, then expands the head kinds' presets (saved so)
+  validation.resolve(config)  # the one check of the run's config
   if config.train.init_from:
     workdir_lib.check_init_from(config, config.train.init_from)
   tok = tokenizers.get_tokenizer(config.data)
@@ -94,6 +96,7 @@ def check_inputs(config: ml_collections.ConfigDict, workdir: str | None):
     raise ValueError(f"config.model.vocab_size: the {config.data.tokenizer} tokenizer has "
                      f"{tok.vocab_size} ids, so it must be >= {tok.vocab_size}, got "
                      f"{config.model.vocab_size}")
+  return config
 
 
 def validation_metrics(eval_step, params, config, batch_sharding) -> dict:
@@ -116,9 +119,10 @@ def validation_metrics(eval_step, params, config, batch_sharding) -> dict:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Runs (or resumes) training to config.train.steps; returns the summary it writes."""
+  """Runs (or resumes) training to config.train.steps; returns the summary it writes. Checks
+  its inputs first (`check_inputs`)."""
   t_start = time.time()
-  validation.resolve(config)  # what it runs and saves in config.json: presets expanded
+  check_inputs(config, workdir)
   shard_lib.maybe_initialize_distributed(config.mesh)  # before anything touches a device
   # Process 0 alone writes the run's files and prints; every process writes its own rows' log.
   process, n_processes = jax.process_index(), jax.process_count()
@@ -273,7 +277,6 @@ def cli_main(flags_) -> int:
   """Exit status: 0 done, 2 bad input (one line on stderr), 3 non-finite training stopped,
   4 checkpoint failure."""
   try:
-    check_inputs(flags_.config, flags_.workdir)
     summary = train(flags_.config, flags_.workdir)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -143,7 +143,7 @@ def load_workdir(workdir: str) -> Loaded:
   one written by `mtp_jax.convert` (its checkpoint holds the params alone)."""
   from mtp_jax import optimizer as optim_lib
   from mtp_jax import sharding as shard_lib
-  from mtp_jax import validation
+  from mtp_jax.config import validation
   from mtp_jax.data import tokenizers
   from mtp_jax.model import build_model
   if not os.path.isfile(config_path(workdir)):
@@ -168,7 +168,7 @@ def check_init_from(config: ml_collections.ConfigDict, workdir: str) -> None:
   import jax
 
   from mtp_jax import steps as steps_lib
-  from mtp_jax import validation
+  from mtp_jax.config import validation
   from mtp_jax.data import tokenizers
   from mtp_jax.model import build_model
   field, hint = "config.train.init_from", "take config.model and config.data.tokenizer from it"

@@ -93,7 +93,7 @@ def test_convert_command_line(argv, rc, stream, text):
 
 @pytest.mark.parametrize("argv, text", [
     (["--ab", "model.fuse_projections=maybe"],
-     "config.model.fuse_projections: must be auto, on or off"),
+     "config.model.fuse_projections: got 'maybe', allowed: 'auto', 'on', 'off'"),
     (["--ab", "model.d_model"], "--ab: expected KEY=VALUE, got 'model.d_model'"),
     (["--peer", "--ref_tree", "/nonexistent"], "--ref_tree: needs --peer (not --in_process) and "
      "a checkout of this repository, got '/nonexistent'"),

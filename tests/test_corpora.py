@@ -17,7 +17,7 @@ import tensorflow_datasets as tfds
 from conftest import require
 
 from mtp_jax import config as config_lib
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax.data import corpora, pipeline, prepare, tokenizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

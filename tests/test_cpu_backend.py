@@ -37,7 +37,7 @@ def test_cpu_runtime_imports_no_jax():
 def test_mkl_handler_loaded_when_the_option_asks():
   """A config asking for model.cpu_matmul = mkl on a CPU loads the handler (validation asks it
   whether it is available); the default config does not."""
-  code = ("from mtp_jax import validation\nfrom configs import tiny\nc = tiny.get_config()\n"
+  code = ("from mtp_jax.config import validation\nfrom configs import tiny\nc = tiny.get_config()\n"
           "c.model.cpu_matmul = {!r}\n"
           "try:\n  validation.validate(c)\nexcept ValueError:\n  pass\n")
   assert _loaded_after(code.format("xla")) == []
@@ -49,8 +49,9 @@ def test_core_reaches_the_cpu_backend_through_the_seam_only():
   module of backends/cpu/ (attention's `cpu` kernel is chosen by attention.resolve, and
   validation asks the MKL handler only for cpu_matmul = mkl)."""
   allowed = {"attention.py": {"mtp_jax.backends.cpu.attention"},
-             "validation.py": {"mtp_jax.backends.cpu"}}
-  for name in ("layers.py", "model.py", "loss.py", "steps.py", "attention.py", "validation.py",
+             os.path.join("config", "validation.py"): {"mtp_jax.backends.cpu"}}
+  for name in ("layers.py", "model.py", "loss.py", "steps.py", "attention.py",
+               os.path.join("config", "validation.py"),
                os.path.join("decoding", "decode.py")):
     with open(os.path.join(ROOT, "mtp_jax", name), encoding="utf-8") as f:
       tree = ast.parse(f.read())

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from mtp_jax import layers, validation
+from mtp_jax import layers
+from mtp_jax.config import validation
 from mtp_jax.backends.cpu import gemm as cpu_gemm
 from mtp_jax.model import build_model, init_params
 
@@ -127,7 +128,7 @@ def test_loss_and_gradients_match_xla(make_config, kind):
 def test_validation_names_the_field(make_config, monkeypatch):
   c = make_config("parallel", 2)
   c.model.cpu_matmul = "openblas"
-  with pytest.raises(ValueError, match=r"model\.cpu_matmul.*auto, xla or mkl"):
+  with pytest.raises(ValueError, match=r"model\.cpu_matmul.*allowed: 'auto', 'xla', 'mkl'"):
     validation.validate(c)
   monkeypatch.setattr(cpu_gemm, "available", lambda: False)
   monkeypatch.setattr(cpu_gemm, "unavailable_reason", lambda: "no torch here")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mtp_jax import config as config_lib
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax.data import corpus as corpus_lib
 from mtp_jax.data import pipeline
 

@@ -14,7 +14,7 @@ import grain
 import numpy as np
 import pytest
 
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax import convert, train
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.data import corpora, tokenizers

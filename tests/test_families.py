@@ -15,7 +15,7 @@ import pytest
 
 from conftest import require, tiny_config, tiny_model
 from mtp_jax import attention, flops
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax.layers import rope_frequencies
 from mtp_jax.model import init_decode_cache, model_args
 

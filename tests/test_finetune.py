@@ -20,7 +20,7 @@ from flax.traverse_util import flatten_dict  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from mtp_jax import config as config_lib  # noqa: E402
-from mtp_jax import validation  # noqa: E402
+from mtp_jax.config import validation  # noqa: E402
 from mtp_jax import convert, generate, train  # noqa: E402
 from mtp_jax.decoding import decode as decode_lib  # noqa: E402
 from mtp_jax import loss as loss_lib  # noqa: E402

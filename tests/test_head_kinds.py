@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import flops as flops_lib
 from mtp_jax import heads

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import steps
 

@@ -84,7 +84,7 @@ def test_config_json_ids_and_bad_files(tmp_path, bpe):
     tokenizers.HFTokenizer(str(folder))
   c = tiny_config()
   c.data.tokenizer = "hf"
-  from mtp_jax import validation
+  from mtp_jax.config import validation
   with pytest.raises(ValueError, match="^config.data.hf_tokenizer: must name a tokenizer.json"):
     validation.validate(c)
 

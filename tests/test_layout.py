@@ -212,4 +212,66 @@ def test_config_imports_no_jax():
           "if m == 'jax' or m.startswith('mtp_jax.')))")
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        check=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout
-  assert out.strip() == "['mtp_jax.config', 'mtp_jax.model_args']", out
+  assert out.strip() == "['mtp_jax.config', 'mtp_jax.config.base', 'mtp_jax.model_args']", out
+
+
+# The layer order, bottom first (docs/DESIGN.md "Layers"): a module imports only from its own
+# layer or one below, function-local imports included. A module is in the layer of the longest
+# name here that is it or a package above it; every module must be in one.
+LAYERS = [
+    ("declarations", ["mtp_jax", "mtp_jax.model_args", "mtp_jax.config", "mtp_jax.cli",
+                      "mtp_jax.attention_mask", "mtp_jax.checkpoint", "mtp_jax.sharding"]),
+    ("backends", ["mtp_jax.backends"]),
+    ("layers", ["mtp_jax.attention", "mtp_jax.layers"]),
+    ("heads", ["mtp_jax.heads", "mtp_jax.flops"]),
+    ("model", ["mtp_jax.model", "mtp_jax.loss", "mtp_jax.optimizer", "mtp_jax.steps"]),
+    ("data", ["mtp_jax.data"]),
+    ("validation", ["mtp_jax.config.validation"]),  # asks the head and corpus registries
+    ("runs", ["mtp_jax.workdir", "mtp_jax.metrics", "mtp_jax.aot"]),
+    ("decoding", ["mtp_jax.decoding"]),
+    ("tools", ["mtp_jax.train", "mtp_jax.generate", "mtp_jax.evaluate", "mtp_jax.evaluation",
+               "mtp_jax.convert", "mtp_jax.sweeps"]),
+]
+
+
+def layer_of(module: str, layers) -> int | None:
+  best = None
+  for rank, (_, names) in enumerate(layers):
+    for name in names:
+      if (module == name or module.startswith(name + ".")) and (
+          best is None or len(name) > len(best[1])):
+        best = (rank, name)
+  return None if best is None else best[0]
+
+
+def layer_violations(graph: dict[str, set[str]], layers) -> list[str]:
+  """'a (layer) -> b (higher layer)' for every import up the order, 'a: in no layer' for a
+  module the list misses."""
+  out = [f"{m}: in no layer" for m in sorted(graph) if layer_of(m, layers) is None]
+  for m in sorted(graph):
+    for d in sorted(graph[m]):
+      lm, ld = layer_of(m, layers), layer_of(d, layers)
+      if lm is not None and ld is not None and ld > lm:
+        out.append(f"{m} ({layers[lm][0]}) -> {d} ({layers[ld][0]})")
+  return out
+
+
+def test_no_import_points_up_a_layer():
+  wrong = layer_violations(import_graph(ROOT, "mtp_jax"), LAYERS)
+  assert not wrong, "imports up the layer order: " + "; ".join(wrong)
+
+
+def test_layer_check_sees_an_import_up(tmp_path):
+  pkg = tmp_path / "pkg"
+  (pkg / "cfg").mkdir(parents=True)
+  for name in ("__init__.py", "cfg/__init__.py", "cfg/checks.py", "model.py"):
+    (pkg / name).write_text("")
+  layers = [("low", ["pkg", "pkg.cfg"]), ("mid", ["pkg.model"]), ("high", ["pkg.cfg.checks"])]
+  (pkg / "cfg" / "checks.py").write_text("from pkg import model\n")  # down: fine
+  assert layer_violations(import_graph(str(tmp_path), "pkg"), layers) == []
+  (pkg / "model.py").write_text("def f():\n  from pkg.cfg import checks\n")  # up, hidden
+  assert layer_violations(import_graph(str(tmp_path), "pkg"), layers) == [
+      "pkg.model (mid) -> pkg.cfg.checks (high)"]
+  assert layer_violations(import_graph(str(tmp_path), "pkg"), layers[1:]) == [
+      "pkg: in no layer", "pkg.cfg: in no layer",
+      "pkg.model (mid) -> pkg.cfg.checks (high)"]

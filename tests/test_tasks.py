@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mtp_jax import config as config_lib
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax.evaluation import tasks_eval
 from mtp_jax.data import corpus
 from mtp_jax.data import pipeline

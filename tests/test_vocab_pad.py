@@ -16,6 +16,7 @@ import pytest
 from flax import traverse_util
 
 from mtp_jax import config as config_lib
+from mtp_jax.config import validation
 from mtp_jax import convert
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import generate
@@ -137,7 +138,7 @@ def test_padded_vocab_and_validation(make_config):
   assert build_model(c).args.padded_vocab == 259
   c.model.vocab_multiple = 0
   with pytest.raises(ValueError, match=r"^config\.model\.vocab_multiple: must be >= 1, got 0$"):
-    build_model(c)
+    validation.validate(c)
 
 
 def test_workdir_saved_before_vocab_multiple_loads_unpadded(make_config, make_model, tmp_path):

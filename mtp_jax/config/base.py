@@ -1,10 +1,12 @@
-"""The base config (every field, defaulting to plain next-token prediction) and reading and
-writing it. Imports no JAX and nothing from mtp_jax but the JAX-free `model_args`, whose
-`ModelArgs` declares the `config.model` fields.
+"""The base config (every field, defaulting to plain next-token prediction), the allowed values
+and ranges declared beside the fields, and reading and writing a config. Imports no JAX and
+nothing from mtp_jax but the JAX-free `model_args`, whose `ModelArgs` declares the
+`config.model` fields (their allowed values and ranges on the fields themselves).
 
-Files in `configs/` import `base_config()` and change what they need; the train and generate
-entry points call `validation.resolve()` once, after command-line overrides, so a bad value is
-one clear `ValueError` at start-up, never a shape error deep inside a jitted function.
+Files in `configs/` import `base_config()` and change what they need; an entry point calls
+`mtp_jax.config.validation.resolve()` once, after command-line overrides, so a bad value is one
+clear `ValueError` at start-up, never a shape error deep inside a jitted function; the library
+below it (build_model, the steps, decoding) takes the resolved config and checks nothing again.
 """
 
 from __future__ import annotations
@@ -15,8 +17,46 @@ import ml_collections
 
 from mtp_jax.model_args import ModelArgs
 
-HEAD_WEIGHTS = ("uniform", "geometric", "deepseek")
-DTYPES = ("float32", "bfloat16")
+# Allowed values and float ranges beside their fields: ALLOWED and FLOAT_RANGES below collect
+# them (and config.model's, from ModelArgs) for config.validation; tests/test_config.py fails for
+# a float field without a range. Kinds in a registry (model.heads.kind, data.corpus) are checked
+# against the registry.
+HEAD_WEIGHTS = ("uniform", "geometric", "deepseek")  # loss.head_weights, or one weight per head
+TOKENIZERS = ("byte", "sentencepiece", "hf")  # data.tokenizer
+SCHEDULES = ("cosine", "linear", "constant")  # optim.schedule
+TRAINABLE = ("all", "heads")  # optim.trainable: "heads" trains heads 2..n only (optimizer.py)
+DISTRIBUTED_MODES = ("auto", "on", "off")  # mesh.distributed (sharding.py)
+
+
+def _positive(x):
+  return x > 0
+
+
+def _at_least_0(x):
+  return x >= 0
+
+
+ALLOWED = {
+    **ModelArgs.rules("allowed"),
+    "data.tokenizer": TOKENIZERS,
+    "optim.schedule": SCHEDULES,
+    "optim.trainable": TRAINABLE,
+    "mesh.distributed": DISTRIBUTED_MODES,
+}
+# Every float field: (the range in words, the test); nan fails every test.
+FLOAT_RANGES = {
+    **ModelArgs.rules("range"),
+    "loss.geometric_decay": ("in (0, 1]", lambda x: 0 < x <= 1),
+    "loss.mtp_lambda": (">= 0", _at_least_0),
+    "loss.z_loss": (">= 0", _at_least_0),
+    "optim.lr": ("> 0", _positive),
+    "optim.min_lr_ratio": ("in [0, 1]", lambda x: 0 <= x <= 1),
+    "optim.b1": ("in [0, 1)", lambda x: 0 <= x < 1),
+    "optim.b2": ("in [0, 1)", lambda x: 0 <= x < 1),
+    "optim.eps": ("> 0", _positive),
+    "optim.weight_decay": (">= 0", _at_least_0),
+    "optim.grad_clip": (">= 0 (0: no clipping)", _at_least_0),
+}
 
 
 def base_config() -> ml_collections.ConfigDict:

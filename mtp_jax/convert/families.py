@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from mtp_jax.family_checks import FAMILIES
+from mtp_jax.model_args import FAMILIES
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}

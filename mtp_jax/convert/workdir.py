@@ -19,7 +19,7 @@ from flax import traverse_util
 
 from mtp_jax import config as config_lib
 from mtp_jax import heads as heads_lib
-from mtp_jax import validation
+from mtp_jax.config import validation
 from mtp_jax import workdir as workdir_lib
 from mtp_jax.checkpoint import Checkpointer
 from mtp_jax.convert import families

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import heads
-from mtp_jax.config import ModelArgs
+from mtp_jax.model_args import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, unembedding, unrolled
 from mtp_jax.decoding.tree import Tree, parse
 

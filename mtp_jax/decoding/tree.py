@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import heads
-from mtp_jax.config import ModelArgs
+from mtp_jax.model_args import ModelArgs
 from mtp_jax.decoding.decode_loop import DecodeState, budget, commit, gain, run, start
 from mtp_jax.heads import head_logits
 from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding, unrolled

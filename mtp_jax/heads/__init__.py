@@ -10,11 +10,11 @@ every kind shares; importing the package registers the built-in kinds.
 """
 
 from mtp_jax.heads.base import (KINDS, DecodeReads, HeadKind, Shared, head_logits, layout_kind,
-                                register, slice_params, tree_kinds, unregister)
+                                preset_values, register, slice_params, tree_kinds, unregister)
 from mtp_jax.heads.parallel import ParallelHeads
 from mtp_jax.heads.projection import ProjectionHeads
 from mtp_jax.heads.sequential import SequentialHeads
 
-__all__ = ["KINDS", "DecodeReads", "HeadKind", "Shared", "head_logits", "layout_kind", "register",
-           "slice_params", "tree_kinds", "unregister", "ParallelHeads", "ProjectionHeads",
-           "SequentialHeads"]
+__all__ = ["KINDS", "DecodeReads", "HeadKind", "Shared", "head_logits", "layout_kind",
+           "preset_values", "register", "slice_params", "tree_kinds", "unregister", "ParallelHeads",
+           "ProjectionHeads", "SequentialHeads"]

@@ -90,8 +90,8 @@ class HeadKind(nn.Module):
     choices: {field of config.model.heads that this kind reads: its allowed values}. Checked
       whichever kind is chosen, so a typo in a saved config fails at start-up.
     preset_field, presets: an optional field naming a preset, and {preset: {field: value}};
-      `validation.expand_presets` sets its fields (validate checks that a field set by hand
-      agrees with the preset or is at its default).
+      `preset_values` reads them, `config.validation.expand_presets` sets them (validate
+      checks that a field set by hand agrees with the preset or is at its default).
     drafts_tree: whether its heads 2..k can draft a tree of candidates (each reads only the
       trunk state, so every node of a depth chooses among the same candidates); False: a chain.
     checkpoint_layouts: {released layout ("meta", "deepseek"): {field of config.model.heads:
@@ -190,6 +190,16 @@ def layout_kind(layout: str) -> type[HeadKind]:
   if len(found) != 1:
     raise ValueError(f"checkpoint layout {layout!r}: held by {len(found)} head kinds, not one")
   return found[0]
+
+
+def preset_values(h) -> dict[str, Any]:
+  """{field: value} that the chosen presets of config.model.heads `h` set (every kind's preset
+  field, whichever kind is chosen, as validation checks them)."""
+  out = {}
+  for kind in KINDS.values():
+    if kind.preset_field:
+      out.update(kind.presets.get(h[kind.preset_field], {}))
+  return out
 
 
 def tree_kinds() -> tuple[str, ...]:

@@ -1,0 +1,12 @@
+"""The config: `base` declares every field with its default and allowed values (JAX-free, what
+this package exports); `validation` checks a config and expands the head kinds' presets, once,
+at an entry point (`from mtp_jax.config import validation; validation.resolve(config)`)."""
+
+from mtp_jax.config.base import (ALLOWED, DISTRIBUTED_MODES, FLOAT_RANGES, HEAD_WEIGHTS, SCHEDULES,
+                                 TOKENIZERS, TRAINABLE, base_config, load_file, load_json,
+                                 parse_head_weights, save_json)
+from mtp_jax.model_args import DTYPES
+
+__all__ = ["ALLOWED", "DISTRIBUTED_MODES", "DTYPES", "FLOAT_RANGES", "HEAD_WEIGHTS", "SCHEDULES",
+           "TOKENIZERS", "TRAINABLE", "base_config", "load_file", "load_json",
+           "parse_head_weights", "save_json"]

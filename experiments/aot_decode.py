@@ -1,5 +1,7 @@
 """The self-speculative decode cost model on a TPU that is not here: XLA:TPU's estimates of T1
-and Tk, and the speed-up S they predict with acceptances measured on CPU-trained models.
+and Tk, and the speed-up S they predict with acceptances measured on CPU-trained models. On a
+GPU target (`--target gpu:h200`) XLA:GPU compiles the same forwards, but its cost_analysis()
+gives nothing: the record keeps each forward's compiled memory, and T1, Tk and S are null.
 
     python experiments/bench_accel.py --target tpu:v5e:2x2 [--sizes 125m,350m,1.3b] \\
         [--acceptance experiments/results/bench_decode.json] --json OUT.json
@@ -18,6 +20,7 @@ those a come from a small byte-level model, not from these shapes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
 from mtp_jax import aot
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.model import MTPModel, build_model, init_decode_cache
@@ -71,22 +75,25 @@ def forward_cost(model_args, k: int, batch: int, context: int, dtype, device) ->
                                              decoding=True), donate_argnums=1)
   i32 = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec()))
-  with jax.set_mesh(mesh), aot.unrolled_scans():  # the TPU's kernels; every loop counted
+  timed = device.platform == "tpu"  # XLA:GPU gives no cost: nothing to unroll the loops for
+  with jax.set_mesh(mesh), aot.unrolled_scans() if timed else contextlib.nullcontext():
     compiled = f.lower(on(p), on(cache), i32(toks), i32(pos)).compile(
         aot.cost_compiler_options(device))
   rec = aot.cost_record(compiled, device, jnp.dtype(dtype).name, None)
-  if rec["optimal_seconds"] is None:
+  if timed and rec["optimal_seconds"] is None:
     raise ValueError(f"--target: XLA:TPU gave no time for the {k}-token forward "
                      f"(optimal_seconds {rec.get('optimal_seconds_invalid')})")
   rec["while_loops"] = aot.while_loops(compiled)
+  rec["peak_bytes"] = common.memory_record(compiled)["peak_bytes"]
   return rec
 
 
 def estimate(target_text: str, sizes: list[str], make_config, k: int, dtype: str,
              context: int, acceptance_path: str, acceptance_prompt_len: int) -> dict:
   target = aot.parse_target(target_text)
-  if target[0] != "tpu":
-    raise ValueError(f"--target: the compiler estimates need a TPU target, got {target_text!r}")
+  if target[0] == "cpu":
+    raise ValueError(f"--target: the compiler estimates need a TPU or GPU target, got "
+                     f"{target_text!r}")
   accepted = acceptances(acceptance_path, k, acceptance_prompt_len)
   aot.prepare_env(target)
   device = aot.target_devices(target)[0]
@@ -99,23 +106,29 @@ def estimate(target_text: str, sizes: list[str], make_config, k: int, dtype: str
       many = forward_cost(args, k, batch, context, jnp.dtype(dtype), device)
       a = accepted[batch]
       T1, Tk = one["optimal_seconds"], many["optimal_seconds"]
+      timed = T1 is not None and Tk is not None
       runs.append({
           "size": size, "batch": batch, "k": k, "context": context,
-          "T1_estimated": T1, "Tk_estimated": Tk, "Tk_over_T1": Tk / T1,
+          "T1_estimated": T1, "Tk_estimated": Tk, "Tk_over_T1": Tk / T1 if timed else None,
           "a_batch_measured_on_cpu": a["a_batch"], "a_measured_on_cpu": a["a"],
-          "S_predicted": a["a_batch"] * T1 / Tk,
+          "S_predicted": a["a_batch"] * T1 / Tk if timed else None,
+          "peak_bytes_1": one["peak_bytes"], "peak_bytes_k": many["peak_bytes"],
           "compiler_flops_1": one["compiler_flops"], "compiler_flops_k": many["compiler_flops"],
           "compiler_bytes_1": one["compiler_bytes_accessed"],
           "compiler_bytes_k": many["compiler_bytes_accessed"],
           "while_loops": one["while_loops"] + many["while_loops"],
           "compile_seconds": round(time.perf_counter() - t0, 1)})
       print(json.dumps(runs[-1]), flush=True)
+  what = ("XLA:TPU cost_analysis optimal_seconds (the compiler's roofline estimate, every scan "
+          "unrolled), not a measurement" if device.platform == "tpu" else
+          f"{aot.compiler_name(device)} memory_analysis of each forward; T1, Tk and S null: its "
+          "cost_analysis() gave no time")
   return {
       "target": target_text, "compiler": aot.compiler_name(device),
       "compiler_version": aot.compiler_version(device),
-      "device_kind": device.device_kind, "dtype": dtype, "estimate": aot.ESTIMATE_NOTE,
-      "what": "XLA:TPU cost_analysis optimal_seconds (the compiler's roofline estimate, every "
-              "scan unrolled), not a measurement; the unembedding aside, as decode.forward_seconds",
+      "device_kind": device.device_kind, "device": aot.device_description(device),
+      "dtype": dtype, "estimate": aot.estimate_note(device),
+      "what": what + "; the unembedding aside, as decode.forward_seconds",
       "acceptance_from": os.path.relpath(acceptance_path),
       "acceptance_note": f"a_batch measured on a CPU-trained 4-head model (bench_decode.py, "
                          f"greedy, prompt_len {acceptance_prompt_len}, step "

@@ -29,6 +29,8 @@ model instead, on held-out windows of its validation split.
 `--target tpu:TOPOLOGY` (libtpu: make .venv-tpu) runs nothing: experiments/aot_decode.py compiles
 the decode cost model's T1 and Tk forwards for `--sizes` with XLA:TPU and reports the compiler's
 estimates and the S they predict with acceptances measured on a CPU-trained model.
+`--target gpu:h100|h200` (.venv-gpu) compiles the same forwards with XLA:GPU: their memory per
+GPU, and no T1, Tk or S (XLA:GPU's cost_analysis() gives nothing).
 """
 
 from __future__ import annotations
@@ -180,8 +182,9 @@ def main(argv=None) -> dict:
   ap.add_argument("--workdir", default=None, help="decode this trained model instead")
   ap.add_argument("--set", nargs="*", default=[], help="config overrides: model.remat_policy=full")
   ap.add_argument("--json", default=None, help="also write the record here")
-  ap.add_argument("--target", default="", help="tpu:TOPOLOGY: XLA:TPU's estimates of the decode "
-                  "cost model instead of measurements (experiments/aot_decode.py)")
+  ap.add_argument("--target", default="", help="tpu:TOPOLOGY or gpu:h100|h200: the compiler's "
+                  "estimates of the decode cost model instead of measurements "
+                  "(experiments/aot_decode.py)")
   ap.add_argument("--sizes", default="125m,350m,1.3b", help="--target: sizes, comma-separated")
   ap.add_argument("--context", type=int, default=192, help="--target: cached tokens")
   ap.add_argument("--acceptance", default=os.path.join(os.path.dirname(

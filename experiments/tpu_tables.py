@@ -1,5 +1,6 @@
-"""Markdown tables of docs/accelerators_tpu.md (and README.md) from the JSONs of plan_memory.py
-(--target tpu:... and the XLA:CPU estimate) and bench_accel.py --target:
+"""Markdown tables of docs/accelerators_tpu.md, docs/accelerators.md (the GPU tables) and README.md
+from the JSONs of plan_memory.py (--target tpu:..., gpu:... and the XLA:CPU estimate) and
+bench_accel.py --target:
 
     python experiments/tpu_tables.py --plans experiments/results/plan_tpu_*.json \\
         experiments/results/plan_7b_n4.json --decode experiments/results/aot_decode_v5e_*.json
@@ -65,7 +66,7 @@ def plan_rows(paths: list[str]) -> list[str]:
       out.append(
           f"| {d['config']}{f' ({len(over)} --set, in the JSON)' if over else ''} | "
           f"{_target(d, r)} | {_compiler(d, r)} | {r['n_future']} | "
-          f"{r['peak_bytes'] / GIB:.2f} | {r['hbm_gib']:g} | {'yes' if r['fits'] else 'no'} | "
+          f"{r['peak_bytes'] / GIB:.2f} | {r['hbm_gib']:.4g} | {'yes' if r['fits'] else 'no'} | "
           f"{f'{seconds:.3g} ({method})' if seconds else '-'} | "
           f"{f'{tps:,.0f}' if tps else '-'} | {f'{100 * mfu:.0f}%' if mfu else '-'} |")
   return out
@@ -82,14 +83,18 @@ def preset_rows(paths: list[str]) -> list[str]:
       tps, mfu = _tokens_per_s(r), r.get("mfu_at_optimal_seconds")
       out.append(
           f"| {os.path.basename(d['config'])} | {_short_target(d, r)} | {r['devices']} | "
-          f"{r['n_future']} | {r['peak_bytes'] / GIB:.1f} ({r['hbm_gib']:g}) | "
+          f"{r['n_future']} | {r['peak_bytes'] / GIB:.1f} ({r['hbm_gib']:.4g}) | "
           f"{'yes' if r['fits'] else 'no'} | {f'{tps:,.0f}' if tps else '-'} | "
           f"{f'{100 * mfu:.0f}%' if mfu else '-'} |")
   return out
 
 
 def decode_rows(paths: list[str]) -> list[str]:
+  """The decode cost model's table; where the compiler gave no time (XLA:GPU), each forward's
+  compiled peak memory instead of T1 and Tk, and no S."""
   ds = [_load(p) for p in paths]
+  if any(r["T1_estimated"] is None for d in ds for r in d["runs"]):
+    return _untimed_decode_rows(ds)
   heads = {(d["compiler"], d.get("compiler_version"), d["target"], d["device_kind"], d["dtype"],
             d["what"], d["acceptance_note"], d["acceptance_from"]) for d in ds}
   out = []
@@ -104,6 +109,20 @@ def decode_rows(paths: list[str]) -> list[str]:
                  f"{1e6 * r['T1_estimated']:.1f} | {1e6 * r['Tk_estimated']:.1f} | "
                  f"{r['Tk_over_T1']:.2f} | {r['a_batch_measured_on_cpu']:.2f} | "
                  f"{r['S_predicted']:.2f} |")
+  return out
+
+
+def _untimed_decode_rows(ds: list[dict]) -> list[str]:
+  out = [f"{d['compiler']} ({d['compiler_version']}) ({d['target']}, {d['device_kind']}, "
+         f"{d['dtype']}), {d['what']}." for d in ds]
+  out += ["", "| size | batch | context | T1, Tk | peak MiB, 1-token forward | peak MiB, "
+          f"{ds[0]['runs'][0]['k']}-token forward | a_batch (CPU) | S predicted |",
+          "|---|---|---|---|---|---|---|---|"]
+  for d in ds:
+    for r in d["runs"]:
+      out.append(f"| {r['size']} | {r['batch']} | {r['context']} | none (no cost analysis) | "
+                 f"{r['peak_bytes_1'] / 2**20:.1f} | {r['peak_bytes_k'] / 2**20:.1f} | "
+                 f"{r['a_batch_measured_on_cpu']:.2f} | - |")
   return out
 
 

@@ -77,7 +77,15 @@ $(GPU_STAMP): setup.py
 	touch $(GPU_STAMP)
 
 test-gpu-aot: $(GPU_STAMP)
-	$(GPU_VENV)/bin/python -m pytest -q tests/gpu
+	GPU_AOT_JSON=$(RESULTS)/plan_gpu_h100x4_small.json $(GPU_VENV)/bin/python -m pytest -q tests/gpu
+
+# One prepared check of a lent GPU or TPU, <= 8 minutes (experiments/accel_check.sh): attention
+# kernels against the reference, train MFU n=1 vs 4 (125m, 350m), decoding a model trained
+# there, the memory plan against memory_stats(); JSONs under experiments/results/<device>/ and a
+# summary against the ahead-of-time estimates. DRY_RUN=1: tiny sizes, for a CPU (run here end to
+# end, 3 min 5 s on 2 cores), into runs/accel-check-dry/.
+accel-check: install
+	PYTHON=$(BIN)/python experiments/accel_check.sh $(if $(DRY_RUN),--dry_run)
 
 # A real Slurm on this host (tests/slurm, marker slurm; docs/slurm.md): tests/slurm/cluster.py
 # installs slurm-wlm and munge with apt-get where they are missing (root), starts munged,

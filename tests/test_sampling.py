@@ -6,8 +6,10 @@ plain sampling from head 1 (Leviathan et al. 2023, Theorem 1). On a random model
 the exact distribution of the first three generated tokens is enumerated from head 1's
 probabilities (teacher forcing every prefix), and thousands of speculative samples (rows of one
 batch, one jit call) are compared with it by a chi-square test, for every head kind and with
-top-k / top-p; the same test rejects two classic wrong rules. Also: temperature 0 is greedy, and
-greedy equals a no-cache reference loop; seeds and rows; the rule by hand; the CLI's checks.
+top-k / top-p; the same test rejects two classic wrong rules. The same for sampled draft trees
+(static and dynamic, every kind that drafts trees) and two wrong multi-draft rules. Also:
+temperature 0 is greedy, and greedy equals a no-cache reference loop; seeds and rows; the rule
+by hand; the CLI's checks.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import pytest
 from conftest import tiny_config, tiny_model
 from scipy import stats
 
+from mtp_jax import heads
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.decoding import sampling
+from mtp_jax.decoding import tree as tree_lib
 from mtp_jax.model import logits
 
 V, PAD, K, T = 8, 0, 3, 3  # vocabulary, pad id, heads used, generated tokens compared
@@ -182,6 +186,65 @@ def test_bonus_token_is_inside_the_statistic():
   r = sample_rows(m, params, k=2, seed=11, **sp)
   assert r.accepted_hist[1] > 0.2 * r.accepted_hist.sum(), r.accepted_hist
   assert chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Settings(**sp))) > 1e-3
+
+
+# Sampled trees (parallel and projection heads): a static tree and a dynamic one, the same
+# statistic against the same enumerated distribution, and two wrong multi-draft rules rejected.
+TREES = ("3,2", "dynamic:7")
+
+
+def sample_tree_rows(m, params, spec, *, n=N, seed=0, **sp):
+  tree = tree_lib.parse(spec, K)
+  decoder = decode_lib.Decoder(params, m.args, k=K, batch=n, prompt_len=len(PROMPT),
+                               max_new_tokens=T, sampling=True, tree=tree)
+  r = decoder([PROMPT] * n, eos_id=-1, pad_id=PAD, seed=seed, **sp)
+  assert (r.lengths == T).all() and r.tree == tree.name
+  return r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", heads.tree_kinds())
+def test_sampled_trees_are_exact_in_distribution(kind):
+  """Per kind that drafts trees, a static and a dynamic tree, with top-k + top-p: p-value above
+  1e-3 (fixed seeds); siblings past the first are really accepted, and whole paths rejected."""
+  m, params = make(kind)
+  sp = SETTINGS[1]
+  exact = exact_distribution(m, params, sampling.Settings(**sp))
+  for i, spec in enumerate(TREES):
+    r = sample_tree_rows(m, params, spec, seed=20 + i, **sp)
+    pval = chi2_pvalue(r.tokens[:, :T], exact)
+    assert pval > 1e-3, (kind, spec, pval)
+    total = r.accepted_hist.sum()
+    assert r.accepted_hist[0] > 0.05 * total and r.accepted_hist[1:].sum() > 0.05 * total, (
+        r.accepted_hist)
+    if spec[0].isdigit():  # a static tree: the histogram is by node, its rank known
+      rank = tree_lib.parse(spec).tables.rank
+      assert r.rows_hist[:, rank > 0].sum() > 0.05 * total, r.rows_hist.sum(0)
+
+
+# (wrong setting of accept_tree, rows): each its own batch size, so each is traced afresh.
+WRONG_TREE = [("parent", N + 4), ("p", N + 5)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrong, n", WRONG_TREE, ids=[w[0] for w in WRONG_TREE])
+def test_chi_square_rejects_a_wrong_tree_rule(monkeypatch, wrong, n):
+  """The tree test has power: siblings tested against the parent's p (never renormalised after a
+  rejection), or the token after rejected siblings drawn from p instead of the residual, fail
+  the same statistic at the same sample size."""
+  m, params = make("parallel")
+  real, calls = sampling.accept_tree, []
+
+  def patched(*a, **kw):
+    calls.append(1)
+    return real(*a, **kw, _wrong=wrong)
+
+  monkeypatch.setattr(sampling, "accept_tree", patched)
+  sp = SETTINGS[1]
+  r = sample_tree_rows(m, params, TREES[0], n=n, seed=20, **sp)
+  assert calls, "the wrong rule was never traced: the samples came from a cached program"
+  pval = chi2_pvalue(r.tokens, exact_distribution(m, params, sampling.Settings(**sp)))
+  assert pval < 1e-6, pval
 
 # (name, drafts, uniforms (accept d1, accept d2, draw), (m, next))
 RAGGED = [[3], [5, 1, 7, 2, 6, 4], [2, 2]]

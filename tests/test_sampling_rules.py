@@ -1,7 +1,9 @@
 """The sampling rules by hand and against independent references (no model): the speculative
 acceptance rule on hand-worked cases, draws and truncation by hand, `sampling.probs` against a
-NumPy reference of temperature -> top-k -> top-p (ties included), and the top-k prefilter against
-a full sort of the vocabulary."""
+NumPy reference of temperature -> top-k -> top-p (ties included), the top-k prefilter against
+a full sort of the vocabulary, and the tree's multi-draft rule (`sampling.accept_tree`) against
+the chain's rule and SpecInfer's written out in NumPy: exact for the drafts it is for, and not
+for the wrong ones."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
 from mtp_jax.decoding import sampling
 
@@ -164,3 +167,86 @@ def test_prefilter_keeps_ties_like_the_reference(top_k, top_p):
   want = reference_probs(logits_V, 1.0, top_k, top_p)
   np.testing.assert_array_equal(got > 0, want > 0)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+# accept_tree: a chain is accept_sampled with one-hot q; one node's siblings against SpecInfer's
+# rule written out in NumPy; what the rule's outcome is distributed as, right and wrong.
+
+def test_accept_tree_on_a_chain_is_accept_sampled_with_point_masses():
+  """The chain root -> d1 -> d2 with the hand-worked cases' p and uniforms, and 200 random ones:
+  the same (drafts accepted, next token) as accept_sampled given q = one-hot on each draft."""
+  rng = np.random.default_rng(3)
+  names, drafts, u, _ = zip(*RULE_CASES)
+  drafts = np.concatenate([np.asarray(drafts), rng.integers(0, 3, (200, 2))]).astype(np.int32)
+  u = np.concatenate([np.asarray(u), rng.random((200, 3))]).astype(np.float32)
+  B = len(drafts)
+  p = np.broadcast_to(np.float32(P3), (B, 3, 3))
+  m, nxt = sampling.accept_sampled(drafts, p, np.eye(3, dtype=np.float32)[drafts], u)
+  tokens = np.concatenate([np.zeros((B, 1), np.int32), drafts], axis=1)
+  children = np.broadcast_to(np.int32([[1], [2], [-1]]), (B, 3, 1))
+  best, nxt_t = sampling.accept_tree(tokens, p, children, u)
+  np.testing.assert_array_equal(best, m)
+  np.testing.assert_array_equal(nxt_t, nxt)
+
+
+def specinfer_node(p, xs, qs, us, u_draw):
+  """SpecInfer's rule at one node, from the paper (NumPy, float64): child x (drafted from q) is
+  accepted with probability min(1, r(x) / q(x)), r the normalised residual; on its rejection
+  r <- normalise(max(0, r - q)); with every child rejected, a draw from r. Returns the token."""
+  r = np.asarray(p, np.float64) / np.sum(p)
+  for x, q, u in zip(xs, qs, us):
+    if u * q[x] < r[x]:
+      return x
+    r = np.maximum(r - q, 0.0)
+    r /= r.sum()
+  return int(np.searchsorted(np.cumsum(r), u_draw * r.sum(), side="right"))
+
+
+V6 = 6
+P6 = np.asarray([0.3, 0.05, 0.25, 0.15, 0.2, 0.05])  # head 1's p at the node
+Q6 = np.asarray([0.1, 0.4, 0.3, 0.05, 0.1, 0.05])  # the drafting head's q (ranks: 1, 2, 0 or 4)
+S6 = 40000  # outcomes per rule
+
+
+def node_outcomes(rule, n=S6, seed=0):
+  """n tokens after one node (3 children) under `rule`: "tree" = accept_tree on the top-3 of q
+  (point masses), else a SpecInfer variant: "iid" children drawn i.i.d. from q, "topk" the top-3
+  of q tested with q itself."""
+  rng = np.random.default_rng(seed)
+  u = rng.random((n, 4))
+  top = np.argsort(-Q6, kind="stable")[:3]
+  if rule.startswith("tree"):
+    tokens = np.broadcast_to(np.int32([0, *top]), (n, 4))
+    p = np.broadcast_to(np.float32(P6), (n, 4, V6))
+    children = np.broadcast_to(np.int32([[1, 2, 3]] + [[-1] * 3] * 3), (n, 4, 3))
+    best, nxt = sampling.accept_tree(tokens, p, children, np.float32(u),
+                                     _wrong=rule.partition(":")[2] or None)
+    return np.where(np.asarray(best) > 0, tokens[0][np.asarray(best)], np.asarray(nxt))
+  xs = rng.choice(V6, size=(n, 3), p=Q6) if rule == "iid" else np.broadcast_to(top, (n, 3))
+  return np.asarray([specinfer_node(P6, x, [Q6] * 3, ui[:3], ui[3]) for x, ui in zip(xs, u)])
+
+
+def pvalue(tokens) -> float:
+  return float(stats.chisquare(np.bincount(tokens, minlength=V6), P6 * len(tokens)).pvalue)
+
+
+def test_accept_tree_equals_specinfer_with_point_masses():
+  """Point-mass q (the tree's top-ranked drafts): accept_tree and the NumPy rule pick the same
+  token from the same uniforms."""
+  rng = np.random.default_rng(1)
+  u = rng.random((500, 4))
+  top = np.argsort(-Q6, kind="stable")[:3]
+  want = [specinfer_node(P6, top, np.eye(V6)[top], ui[:3], ui[3]) for ui in u]
+  got = node_outcomes("tree", n=500, seed=1)
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("rule, exact", [
+    ("tree", True), ("iid", True),  # each rule with the drafts it is for
+    ("topk", False),  # SpecInfer's q-ratio rule applied to top-ranked (not drawn) drafts
+    ("tree:parent", False), ("tree:p", False)])  # the tree rule's two wrong forms
+def test_node_outcome_is_distributed_as_p(rule, exact):
+  """The token after one node is distributed as p exactly when the rule matches how the
+  siblings were drafted; 40,000 outcomes, chi-square over the 6 tokens."""
+  pval = pvalue(node_outcomes(rule))
+  assert (pval > 1e-3) if exact else (pval < 1e-6), (rule, pval)

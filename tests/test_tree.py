@@ -1,11 +1,14 @@
-"""Tree drafts (mtp_jax.decoding.tree): greedy tree decoding equals greedy decoding token for token
-(parallel and projection heads, ragged prompts, EOS inside a tree, accepted candidates that are
-not the heads' argmax); one tree forward against no-cache forwards of each root-to-node path;
-the accepted path's KV entries, compacted, against a no-cache reference; spec parsing and the
-fall-backs (sampling, sequential heads)."""
+"""Tree drafts (mtp_jax.decoding.tree): greedy tree decoding, static and dynamic, equals greedy
+decoding token for token (parallel and projection heads, ragged prompts, EOS inside a tree,
+accepted candidates that are not the heads' argmax), and so does the sampling program at
+temperature 0; one tree forward against no-cache forwards of each root-to-node path; the
+accepted path's KV entries, compacted, against a no-cache reference; a dynamic tree's nodes and
+tables against enumeration; spec parsing and the fall-back (sequential heads). Sampled trees'
+distribution: tests/test_sampling.py."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import jax
@@ -48,14 +51,18 @@ def test_tree_tables_by_hand():
 
 @pytest.mark.parametrize("spec, match", [
     ("", "^tree: a comma-separated"), ("4,x", "^tree: a comma-separated"),
-    ("0,1", "^tree: a comma-separated"), ("8,4", "at most 32"), ("2,1,1,1", "2..5")])
+    ("0,1", "^tree: a comma-separated"), ("8,4", "at most 32"), ("2,1,1,1", "2..5"),
+    ("dynamic:0", "^tree: dynamic:N takes N.*2..32, got 'dynamic:0'"),
+    ("dynamic:1", "^tree: dynamic:N takes N"), ("dynamic:33", "^tree: dynamic:N takes N"),
+    ("dynamic:x", "^tree: dynamic:N takes N.*got 'dynamic:x'"),
+    ("dynamic", "^tree: dynamic:N takes N")])
 def test_bad_tree_specs(spec, match):
   with pytest.raises(ValueError, match=match):
     tree_lib.parse(spec, n_future=4)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["4,2,1", "3,1"])
+@pytest.mark.parametrize("spec", ["4,2,1", "3,1", "dynamic:12"])
 def test_tree_greedy_equals_greedy_ragged(model, spec):
   args, params = model
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
@@ -63,7 +70,10 @@ def test_tree_greedy_equals_greedy_ragged(model, spec):
   t = decode_lib.decode(params, args, RAGGED, tree=spec, **kw)
   np.testing.assert_array_equal(g.lengths, t.lengths)
   np.testing.assert_array_equal(g.tokens, t.tokens)
-  assert t.tree == spec and t.heads == len(spec.split(",")) + 1
+  assert t.tree == spec and t.heads == (4 if spec.startswith("dynamic") else
+                                        len(spec.split(",")) + 1)
+  if spec.startswith("dynamic"):  # drafts passed (the histogram is by depth)
+    assert t.accepted_hist[1:].sum() > 0 and t.forwards < g.forwards, t.accepted_hist
   if spec == "4,2,1":
     # Some cycle accepted a candidate that was not its head's argmax (rank > 0): the tree did
     # more than the chain would have.
@@ -128,13 +138,51 @@ def test_tree_forward_and_compaction_against_no_cache_reference(model):
 
 
 @pytest.mark.slow
-def test_tree_falls_back_to_the_chain_when_sampling(model, caplog):
+@pytest.mark.parametrize("spec", ["4,2,1", "dynamic:9"])
+def test_sampled_tree_at_temperature_zero_is_greedy(model, spec):
+  """The sampling program of a tree (static or dynamic) at temperature 0 (any top-k, top-p,
+  seed) is greedy decoding: head 1's p is then a point mass, and the rule follows its argmax."""
   args, params = model
-  with caplog.at_level(logging.WARNING, logger="mtp_jax.decoding.decode"):
-    r = decode_lib.decode(params, args, RAGGED[:1], tree="2,1", max_new_tokens=4, eos_id=-1,
-                          pad_id=PAD, temperature=0.7)
-  assert r.tree is None and r.heads == 3
-  assert "sampling uses the chain" in caplog.text
+  kw = dict(eos_id=-1, pad_id=PAD)
+  g = decode_lib.plain(params, args, RAGGED, max_new_tokens=MAX_NEW, **kw)
+  d = decode_lib.Decoder(params, args, k=4, batch=len(RAGGED), prompt_len=11,
+                         max_new_tokens=MAX_NEW, sampling=True, tree=tree_lib.parse(spec, 4))
+  r = d(RAGGED, temperature=0.0, top_k=3, top_p=0.5, seed=7, **kw)
+  np.testing.assert_array_equal(g.tokens, r.tokens)
+  assert r.tree == spec and r.forwards < g.forwards
+  s = d(RAGGED, temperature=0.9, seed=7, **kw)  # and sampling runs the tree, not the chain
+  assert s.tree == spec and (s.lengths == MAX_NEW).all()
+
+
+def test_dynamic_tree_is_the_most_likely_paths():
+  """draft_dynamic against enumeration: its N - 1 nodes are the N - 1 most likely paths of the
+  heads' joint probability (all paths of up to 3 depths over a vocabulary of 5, enumerated), and
+  its tables are those of that tree (parent, depth, ancestors as bits, the ancestor at each
+  depth, children most likely first)."""
+  rng = np.random.default_rng(0)
+  D, V, N = 3, 5, 14
+  lg = rng.normal(0, 1.5, (D, 2, V)).astype(np.float32)
+  root = np.asarray([7, 9], np.int32)
+  toks, t = jax.jit(tree_lib.draft_dynamic, static_argnums=2)(lg, root, N)
+  toks, t = np.asarray(toks), jax.tree.map(np.asarray, t)
+  logq = np.log(np.exp(lg) / np.exp(lg).sum(-1, keepdims=True))
+  for b in range(2):
+    paths = [p for d in range(1, D + 1) for p in itertools.product(range(V), repeat=d)]
+    score = {p: sum(logq[j, b, x] for j, x in enumerate(p)) for p in paths}
+    want = sorted(paths, key=lambda p: -score[p])[:N - 1]
+    # node n's path: its ancestors' tokens from depth 1
+    got = [tuple(toks[b, t.at_depth_BxNxK[b, n, 1:t.depth_BxN[b, n] + 1]]) for n in range(1, N)]
+    assert sorted(got) == sorted(want) and toks[b, 0] == root[b]
+    assert [score[p] for p in got] == sorted((score[p] for p in got), reverse=True)
+    for n in range(1, N):
+      par = t.parent_BxN[b, n]
+      assert par < n and t.depth_BxN[b, n] == t.depth_BxN[b, par] + 1
+      assert got[n - 1][:-1] == (got[par - 1] if par else ())
+      anc = {n} | {int(a) for a in t.at_depth_BxNxK[b, n, :t.depth_BxN[b, n]]}
+      assert int(np.uint32(t.bits_BxN[b, n].view(np.uint32))) == sum(1 << a for a in anc)
+    for n in range(N):
+      kids = [c for c in t.children_BxNxC[b, n] if c >= 0]
+      assert kids == [m for m in range(1, N) if t.parent_BxN[b, m] == n]
 
 
 @pytest.mark.slow
@@ -162,6 +210,11 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   assert r.auto["probe"]["tree"] == "4,2,2" and r.tree is not None and r.tree == r.auto["tree"]
   best = max(r.auto["table"], key=lambda row: row["S_predicted"])
   assert r.tree == best["tree"] and best["nodes"] > best["heads"]
+  # The dynamic candidate, probed on its own, as many nodes as the best static tree.
+  dyn, = [row for row in r.auto["table"] if row["tree"].startswith("dynamic")]
+  static = max((row for row in r.auto["table"] if row["nodes"] > row["heads"] and row is not dyn),
+               key=lambda row: row["S_predicted"])
+  assert dyn["tree"] == f"dynamic:{static['nodes']}" and dyn["a_predicted"] > 1
 
 
 @pytest.mark.slow

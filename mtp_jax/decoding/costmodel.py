@@ -35,7 +35,7 @@ import numpy as np
 from mtp_jax import heads
 from mtp_jax.model_args import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, unembedding, unrolled
-from mtp_jax.decoding.tree import Tree, parse
+from mtp_jax.decoding.tree import Tree, is_tree, parse
 
 PRIOR = 4.0  # pseudo-cycles of the pooled histogram added to each row's
 MIN_GAIN = 1.05  # a candidate must beat plain decoding by this much predicted S
@@ -94,9 +94,10 @@ def _forward_fn(params, args, tree: Tree, batch, context):
   cache = init_decode_cache(a, batch, context + width + 1, dtype=a.dtype)
   toks = jnp.zeros((batch, width), jnp.int32)
   seg = None
-  if max(tree.spec, default=1) > 1:  # a tree window: positions by depth, the mask as bits
-    pos = context + jnp.broadcast_to(jnp.asarray(tree.tables.depth), (batch, width))
-    seg = jnp.broadcast_to(jnp.asarray(tree.bits()), (batch, width))
+  if is_tree(tree):  # a tree window: positions by depth, the mask as bits
+    depth, bits = tree.window()
+    pos = context + jnp.broadcast_to(jnp.asarray(depth), (batch, width))
+    seg = jnp.broadcast_to(jnp.asarray(bits), (batch, width))
   else:
     pos = context + jnp.broadcast_to(jnp.arange(width), (batch, width))
 

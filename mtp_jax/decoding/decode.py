@@ -20,10 +20,11 @@ static shapes, per-row lengths; rows that hit EOS or max_new_tokens stop (their 
 frozen) while the others go on. The rules of a cycle are pure functions: `accept_greedy`,
 `sampling.accept_sampled`. Randomness is per row (`sampling.row_keys`), so a row's samples do
 not depend on the rest of the batch. `Decoder` compiles the loop ahead of time for one batch
-shape (jax.jit caches the program). Tree drafts (`tree=`, greedy, parallel and projection
-heads): `mtp_jax.decoding.tree`. k="auto" / tree="auto": `Session.choose`, by the cost model
-(`mtp_jax.decoding.costmodel`), decided once per shape and kept on the `Session` (bounded).
-Errors name the parameter (`k: ...`); the CLIs name their flags (`cli.flag_error`).
+shape (jax.jit caches the program). Tree drafts (`tree=`, static or dynamic, greedy or
+sampled, parallel and projection heads): `mtp_jax.decoding.tree`. k="auto" / tree="auto":
+`Session.choose`, by the cost model (`mtp_jax.decoding.costmodel`), decided once per shape
+and kept on the `Session` (bounded). Errors name the parameter (`k: ...`); the CLIs name their
+flags (`cli.flag_error`).
 
 Sequential (DeepSeek-V3) heads decode in chain mode: depth j reads x_{t+j} where it is known
 (the prompt at prefill, the accepted drafts and the new token in a cycle: teacher forcing, as in
@@ -96,8 +97,9 @@ class Decoder:
   `prompt_len`, for `max_new_tokens`, compiled ahead of time in the constructor
   (`compile_seconds`), so that calls time the decode alone. `sampling=True` compiles the
   sampling program (temperature, top_k, top_p and seed are then arguments of each call, and
-  temperature 0 in it is greedy); False, the greedy one. `tree` (a `tree.Tree`, greedy,
-  parallel and projection heads, k = its levels + 1): tree drafts (`mtp_jax.decoding.tree`).
+  temperature 0 in it is greedy); False, the greedy one. `tree` (a `tree.Tree` or
+  `tree.Dynamic`, parallel and projection heads, k = its levels + 1; a Dynamic without levels
+  takes k - 1): tree drafts (`mtp_jax.decoding.tree`).
   Prompts are validated here, at the entry point. `compiler_options`: XLA's compile options,
   by default `backends.current().decode_compiler_options(batch)` (on a CPU backend,
   `backends.cpu.runtime.decode_compiler_options`); an override is for benchmarks of those
@@ -105,7 +107,8 @@ class Decoder:
   every program of a batch compiles with the same ones."""
 
   def __init__(self, params, args: ModelArgs, *, k: int, batch: int, prompt_len: int,
-               max_new_tokens: int, sampling: bool = False, tree: tree_lib.Tree | None = None,
+               max_new_tokens: int, sampling: bool = False,
+               tree: tree_lib.Tree | tree_lib.Dynamic | None = None,
                stops=None, compiler_options: dict | None | str = "auto"):
     check_heads(args, k)
     if max_new_tokens < 1:
@@ -113,10 +116,12 @@ class Decoder:
     if prompt_len + max_new_tokens > args.max_len:
       raise ValueError(f"max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens "
                        f"({max_new_tokens}) exceeds the model's max_len ({args.max_len})")
+    if isinstance(tree, tree_lib.Dynamic) and tree.levels is None:
+      tree = dataclasses.replace(tree, levels=k - 1)
     if tree is not None:
-      if tree.k != k or sampling or tree_lib.unsupported_reason(args):
-        raise ValueError(f"tree: {tree.name} needs greedy decoding with {tree.k} heads of a "
-                         f"kind in {heads.tree_kinds()}")
+      if tree.k != k or k < 2 or tree_lib.unsupported_reason(args):
+        raise ValueError(f"tree: {tree.name} needs {max(tree.k, 2)} heads (k) of a kind in "
+                         f"{heads.tree_kinds()}")
     self.params, self.args = slice_heads(params, args, k)
     self.batch, self.prompt_len, self.max_new_tokens = batch, prompt_len, max_new_tokens
     # stops: a stops.Matcher (rows end once their cut at a stop sequence is decided); a tree
@@ -135,8 +140,10 @@ class Decoder:
           max_new_tokens=max_new_tokens, sample=sampling).compile(compiler_options=options)
     else:
       self._compiled = tree_lib.decode_tree.lower(
-          self.params, i32(batch, prompt_len), i32(batch), i32(), i32(), i32(), args=self.args,
-          max_new_tokens=max_new_tokens, tree=tree).compile(compiler_options=options)
+          self.params, i32(batch, prompt_len), i32(batch), i32(), i32(),
+          sampling_lib.Settings(f32, i32(), f32), i32(), i32(), args=self.args,
+          max_new_tokens=max_new_tokens, tree=tree, sample=sampling).compile(
+              compiler_options=options)
     self.compile_seconds = time.perf_counter() - t0
 
   def __call__(self, prompts: list, *, eos_id: int, pad_id: int, temperature: float = 0.0,
@@ -161,15 +168,15 @@ class Decoder:
     cap = np.int32(2**30 if max_cycles is None else max_cycles)
     ids = (self.params, prompt_BxP, lens_B, np.int32(eos_id), np.int32(pad_id))
     t0 = time.perf_counter()
+    sp = sampling_lib.Settings(np.float32(temperature), np.int32(top_k), np.float32(top_p))
     if self.tree is None:
-      sp = sampling_lib.Settings(np.float32(temperature), np.int32(top_k), np.float32(top_p))
       out = jax.device_get(self._compiled(*ids, sp, np.int32(seed), cap, self.stops))
     else:
-      out = jax.device_get(self._compiled(*ids, cap))
+      out = jax.device_get(self._compiled(*ids, sp, np.int32(seed), cap))
     seconds = time.perf_counter() - t0
     tokens, n_out, cycles, rows_hist, forwards = map(np.asarray, out)
     hist = rows_hist.sum(0)
-    if self.tree is not None:  # by deepest node -> by drafts accepted (the node's depth)
+    if isinstance(self.tree, tree_lib.Tree):  # by deepest node -> by drafts accepted (its depth)
       hist = np.bincount(self.tree.tables.depth, weights=hist, minlength=self.k).astype(np.int64)
     return DecodeResult(tokens=tokens, lengths=n_out, cycles=cycles, accepted_hist=hist,
                         forwards=int(forwards), seconds=seconds,
@@ -225,16 +232,30 @@ class Session:
     compile time, apart from the decode's)."""
     args = self.args
     sampling = sample_kw.get("temperature", 0) > 0
-    trees = tree == "auto" and not sampling and tree_lib.unsupported_reason(args) is None
+    trees = tree == "auto" and tree_lib.unsupported_reason(args) is None
     if tree == "auto" and not trees:
-      log.warning("tree auto: %s; choosing among chains", "sampling uses the chain (no "
-                  "lossless multi-draft rule here)" if sampling
-                  else tree_lib.unsupported_reason(args))
+      log.warning("tree auto: %s; choosing among chains", tree_lib.unsupported_reason(args))
     n = args.n_future if k == "auto" else k
     key = (len(prompts), max(len(p) for p in prompts), max_new_tokens, sampling, n, trees)
     return self._choices.get(key, lambda: self._decide(
         prompts, max_new_tokens=max_new_tokens, k=k, n=n, trees=trees, sampling=sampling,
         eos_id=eos_id, pad_id=pad_id, sample_kw=sample_kw))
+
+  def _probe(self, prompts, tree, *, k, max_new_tokens, sampling, eos_id, pad_id, sample_kw):
+    """(result, seconds per cycle) of `tree` (None: the chain of k) on the call's prompts: runs
+    of PROBE_CYCLES and of PROBE_CYCLES // 3 cycles (the difference cancels the prefill and the
+    call), the fastest of 3 interleaved rounds each."""
+    dec = Decoder(self.params, self.args, k=k, batch=len(prompts),
+                  prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
+                  sampling=sampling, tree=tree)
+    runs = {c: [] for c in (PROBE_CYCLES // 3, PROBE_CYCLES)}
+    for _ in range(3):
+      for c, rs in runs.items():
+        rs.append(dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c, **sample_kw))
+    short, full = runs[PROBE_CYCLES // 3], runs[PROBE_CYCLES]
+    r = full[0]  # the acceptance histograms (every round decodes the same)
+    return r, ((min(x.seconds for x in full) - min(x.seconds for x in short))
+               / max(r.forwards - short[0].forwards, 1))
 
   def _decide(self, prompts, *, max_new_tokens, k, n, trees, sampling, eos_id, pad_id,
               sample_kw) -> dict:
@@ -244,19 +265,9 @@ class Session:
     if k != "auto":  # tree="auto" with k heads: plain, the chain of k, trees of <= k heads
       cands = [c for c in cands if c.k == 1 or c.k == k or (c.k < k and max(c.spec) > 1)]
     probe = costmodel.union(cands)
-    probe_tree = probe if trees else None
-    dec = Decoder(self.params, self.args, k=probe.k, batch=batch, prompt_len=width,
-                  max_new_tokens=max_new_tokens, sampling=sampling, tree=probe_tree)
-    # Seconds per cycle: runs of PROBE_CYCLES and of PROBE_CYCLES // 3 cycles (the difference
-    # cancels the prefill and the call), the fastest of 3 interleaved rounds each.
-    runs = {c: [] for c in (PROBE_CYCLES // 3, PROBE_CYCLES)}
-    for _ in range(3):
-      for c, rs in runs.items():
-        rs.append(dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c, **sample_kw))
-    short, full = runs[PROBE_CYCLES // 3], runs[PROBE_CYCLES]
-    r = full[0]  # the acceptance histograms (every round decodes the same)
-    cycle_seconds = ((min(x.seconds for x in full) - min(x.seconds for x in short))
-                     / max(r.forwards - short[0].forwards, 1))
+    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
+              sample_kw=sample_kw)
+    r, cycle_seconds = self._probe(prompts, probe if trees else None, k=probe.k, **kw)
     context = width + max_new_tokens // 2
 
     times = self.forward_times([costmodel.chain(1), probe] + cands, batch=batch,
@@ -270,18 +281,43 @@ class Session:
 
     picked = costmodel.choose(r.rows_hist, probe, cands, seconds)
     best = picked.pop("tree")
-    return dict(picked, heads=best.k,
-                tree=best if len(best.spec) and max(best.spec) > 1 else None,
+    if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
+      picked, best = self._dynamic(prompts, picked, best, k=probe.k, **kw)
+    return dict(picked, heads=best.k, tree=best if tree_lib.is_tree(best) else None,
                 probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
                        "tokens_per_forward": r.tokens_per_forward, "loop_factor": loop_factor,
                        "cycle_seconds": cycle_seconds},
                 seconds=time.perf_counter() - t0)
 
+  def _dynamic(self, prompts, picked, best, *, k, **kw):
+    """`tree=auto`'s dynamic candidate: dynamic:N over heads 2..k, N the node count of the static
+    tree of highest predicted S; its a from a probe of its own (the slowest row's, smoothed as
+    `costmodel.predict_a` does, from its histogram by depth), its T from its window's timed
+    forward times its probe's own loop factor. (picked, best) again, with it in the table, and
+    chosen where its S is the highest and at least MIN_GAIN."""
+    static = [row for row in picked["table"] if row["nodes"] > row["heads"]]  # not chains
+    if not static:
+      return picked, best
+    top = max(static, key=lambda row: row["S_predicted"])
+    dyn = tree_lib.Dynamic(top["nodes"], k - 1)
+    r, cycle_seconds = self._probe(prompts, dyn, k=k, **kw)
+    t = self.forward_times([costmodel.chain(1), dyn], batch=len(prompts),
+                           context=max(len(p) for p in prompts) + kw["max_new_tokens"] // 2)
+    a = costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k))
+    T = t[dyn] * max(1.0, cycle_seconds / t[dyn])
+    row = {"tree": dyn.name, "heads": dyn.k, "nodes": dyn.nodes, "a_predicted": a,
+           "forward_1_seconds": top["forward_1_seconds"], "forward_seconds": T,
+           "S_predicted": a * top["forward_1_seconds"] / T}
+    picked = dict(picked, table=picked["table"] + [row])
+    if row["S_predicted"] >= max(costmodel.MIN_GAIN, picked["S_predicted"]):
+      return dict(picked, S_predicted=row["S_predicted"], a_predicted=a), dyn
+    return picked, best
+
   def resolve(self, prompts: list, *, max_new_tokens: int, k, tree, eos_id: int, pad_id: int,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):
     """What `decode` runs for these arguments: (k, Tree or None, the `choose` record or None).
-    Checks k and tree (one ValueError naming k or tree); sampling and sequential heads fall
-    back from a tree to the chain with a logged reason."""
+    Checks k and tree (one ValueError naming k or tree); sequential heads fall back from a tree
+    to the chain with a logged reason."""
     args = self.args
     if k is None:
       k = args.n_future
@@ -291,24 +327,27 @@ class Session:
       check_heads(args, int(k))
     if tree is not None and tree != "auto":
       tree = tree_lib.parse(tree, args.n_future)
+      if isinstance(tree, tree_lib.Dynamic) and k != "auto":  # its depths: heads 2..k
+        if k < 2:
+          raise ValueError(f"tree: {tree.name} drafts with heads 2..k, but k is {k}")
+        tree = dataclasses.replace(tree, levels=int(k) - 1)
       if k not in ("auto", tree.k, args.n_future):
         raise ValueError(f"tree: {tree.name} uses heads 1..{tree.k}, but k is {k}")
       k = tree.k
-      why = tree_lib.unsupported_reason(args) or (
-          "sampling uses the chain (no lossless multi-draft rule here)" if temperature > 0
-          else None)
+      why = tree_lib.unsupported_reason(args)
       if why:
         log.warning("tree %s: %s; decoding with the chain of %d heads", tree.name, why, k)
         tree = None
-    if isinstance(tree, tree_lib.Tree) and max(tree.spec) == 1:
-      tree = None  # a chain: the chain loop (it also samples)
+    if isinstance(tree, tree_lib.Tree) and not tree_lib.is_tree(tree):
+      tree = None  # a chain: the chain loop
     auto = None
     if k == "auto" or tree == "auto":
       sample_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
       auto = self.choose(prompts, max_new_tokens=max_new_tokens, k=k, tree=tree, eos_id=eos_id,
                          pad_id=pad_id, sample_kw=sample_kw)
       k, tree = auto["heads"], auto["tree"]
-      auto = {key: (v.name if isinstance(v, tree_lib.Tree) else v) for key, v in auto.items()}
+      auto = {key: (v.name if isinstance(v, (tree_lib.Tree, tree_lib.Dynamic)) else v)
+              for key, v in auto.items()}
     return int(k), tree, auto
 
   def decode(self, prompts: list, *, max_new_tokens: int, k=None, eos_id: int, pad_id: int,
@@ -324,8 +363,10 @@ class Session:
 
     k="auto": the k of highest predicted speed-up for this batch (`choose`; plain decoding where
     speculation would lose). tree: a spec such as "4,2,1" (`mtp_jax.decoding.tree`; its levels
-    + 1 heads) or "auto" (a tree, or a chain, chosen the same way); sampling and sequential
-    heads fall back to the chain, with a logged reason. The result's `heads`, `tree` and `auto`
+    + 1 heads), "dynamic:N" (N nodes, the most likely paths of heads 2..k, chosen per cycle)
+    or "auto" (a tree, dynamic or static, or a chain, chosen the same way); greedy or sampled
+    (exactly as plain sampling); sequential heads fall back to the chain, with a logged
+    reason. The result's `heads`, `tree` and `auto`
     say what ran."""
     sampling_lib.check(temperature, top_k, top_p, seed)
     if not prompts or any(len(p) == 0 for p in prompts):

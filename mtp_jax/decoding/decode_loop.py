@@ -79,10 +79,11 @@ class DecodeState:
   hist_BxX: jax.Array  # per row: cycles accepting 0..k-1 drafts (a tree: by deepest node)
   forwards: jax.Array  # prefill + cycles
   stop: Any = None  # stops.StopState when decoding with stop sequences (else None)
+  layout: Any = None  # a dynamic tree's per-row tables (`tree.Layout`; else None)
 
 
 def start(cache, first_B, drafts_BxK1, q_BxK1xV, prompt_len_B, *, pad_id, eos_id,
-          max_new_tokens: int, k: int, hist: int) -> DecodeState:
+          max_new_tokens: int, k: int, hist: int, layout=None) -> DecodeState:
   """The state after prefill: each row's first token out, `hist` histogram bins per row."""
   B = first_B.shape[0]
   return DecodeState(
@@ -97,6 +98,7 @@ def start(cache, first_B, drafts_BxK1, q_BxK1xV, prompt_len_B, *, pad_id, eos_id
       cycles_B=jnp.zeros((B,), jnp.int32),
       hist_BxX=jnp.zeros((B, hist), jnp.int32),
       forwards=jnp.ones((), jnp.int32),
+      layout=layout,
   )
 
 
@@ -106,12 +108,14 @@ def budget(s: DecodeState, max_new_tokens: int) -> jax.Array:
 
 
 def commit(s: DecodeState, acc: Accepted, out_BxK, cache, drafts_BxK1, hist_B, *,
-           max_new_tokens: int, q_BxK1xV=None, stop_m=None) -> DecodeState:
+           max_new_tokens: int, q_BxK1xV=None, stop_m=None, layout=None) -> DecodeState:
   """The state after a cycle (chain or tree): the row's gained tokens out_BxK[:, :acc.new_B]
   written, its length, position and newest token advanced, the next drafts (and, sampling, their
-  distributions) kept, bin hist_B of its histogram counted; finished rows keep their state. With
-  stop sequences (stop_m), the gained tokens are fed and a row whose cut is decided is done."""
+  distributions; a dynamic tree, its layout) kept, bin hist_B of its histogram counted; finished
+  rows keep their state. With stop sequences (stop_m), the gained tokens are fed and a row whose
+  cut is decided is done."""
   active_B = ~s.done_B
+  keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
   rows_B = jnp.arange(out_BxK.shape[0])
   j_K = jnp.arange(out_BxK.shape[1])
   idx_BxK = jnp.where(j_K < acc.new_B[:, None], s.n_out_B[:, None] + j_K, s.out_BxM.shape[1])
@@ -121,18 +125,20 @@ def commit(s: DecodeState, acc: Accepted, out_BxK, cache, drafts_BxK1, hist_B, *
     stop = stops_lib.feed(stop_m, s.stop, out_BxK, acc.new_B)
     stopped_B = stops_lib.finished(stop_m, stop)
   if q_BxK1xV is not None:
-    q_BxK1xV = jnp.where(active_B[:, None, None], q_BxK1xV, s.q_BxK1xV)
+    q_BxK1xV = keep(q_BxK1xV, s.q_BxK1xV)
+  if layout is not None:
+    layout = jax.tree.map(keep, layout, s.layout)
   return DecodeState(
       cache=cache,
       out_BxM=s.out_BxM.at[rows_B[:, None], idx_BxK].set(out_BxK, mode="drop"),
       n_out_B=n_out_B, pos_B=s.pos_B + acc.new_B, last_B=acc.last_B,
-      drafts_BxK1=jnp.where(active_B[:, None], drafts_BxK1, s.drafts_BxK1),
+      drafts_BxK1=keep(drafts_BxK1, s.drafts_BxK1),
       q_BxK1xV=q_BxK1xV,
       done_B=s.done_B | (active_B & (acc.eos_B | (n_out_B >= max_new_tokens) | stopped_B)),
       cycles_B=s.cycles_B + active_B,
       hist_BxX=s.hist_BxX + (jax.nn.one_hot(hist_B, s.hist_BxX.shape[1], dtype=jnp.int32)
                              * active_B[:, None]),
-      forwards=s.forwards + 1, stop=stop)
+      forwards=s.forwards + 1, stop=stop, layout=layout)
 
 
 def run(cycle, state: DecodeState, max_cycles, max_new_tokens: int):

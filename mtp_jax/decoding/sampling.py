@@ -1,6 +1,7 @@
 """Sampling for `mtp_jax.decoding.decode`: temperature, top-k and top-p (nucleus) truncation,
-inverse-CDF draws from per-row uniforms, and the acceptance rule of speculative sampling (Leviathan
-et al. 2023, Algorithm 1 and Theorem 1; Chen et al. 2023, Algorithm 2).
+inverse-CDF draws from per-row uniforms, the acceptance rule of speculative sampling (Leviathan
+et al. 2023, Algorithm 1 and Theorem 1; Chen et al. 2023, Algorithm 2) and its multi-draft form
+over a draft tree's siblings (`accept_tree`; SpecInfer, Miao et al. 2024).
 
 Randomness is per row: row b of a batch draws from jax.random.fold_in(key(seed), b), folded again
 with the position of the row's newest token, so a row's samples depend on its seed, its index in
@@ -157,3 +158,72 @@ def cycle_tokens(drafts_BxK1, m_B, next_B) -> jax.Array:
   K = drafts_BxK1.shape[1] + 1
   d_BxK = jnp.concatenate([drafts_BxK1, next_B[:, None]], axis=1)
   return jnp.where(jnp.arange(K) < m_B[:, None], d_BxK, next_B[:, None]).astype(jnp.int32)
+
+
+def accept_tree(tokens_BxN, p_BxNxV, children_BxNxC, u_BxU, *, _wrong: str | None = None):
+  """One cycle of recursive rejection sampling over a draft tree's siblings (SpecInfer's
+  multi-step speculative sampling, Miao et al. 2024, Algorithm 2; SpecTr, Sun et al. 2023):
+  returns (best_B, the deepest accepted node; next_B, the token after it).
+
+  tokens[:, n] is node n's token, p[:, n] head 1's (truncated) distribution after the path
+  root..n, children[:, n] node n's children in the order they are tried (-1 past them; a
+  node's children hold distinct tokens). From the root: at the current node, with residual r =
+  p[:, node], each child x in turn is accepted with probability min(1, r(x) / q(x)), q being the
+  distribution x was drafted from; on its rejection r <- normalise(max(0, r - q)) before the
+  next sibling; the first accepted child becomes the current node, and when every child is
+  rejected (or the node is a leaf) the next token is drawn from r. u[:, d C + r] tests sibling
+  r at depth d + 1 (C = children.shape[2]), u[:, -1] draws the next token.
+
+  Why it is exact, and why this form of the rule. The tree's drafts are not draws: every child
+  is a head's rank-r candidate (a static tree: the top c_d; a dynamic one: the most likely
+  paths), a deterministic function of what the heads saw, so the distribution it was drafted
+  from is the point mass q = delta_x. The rule then reads: accept x with probability
+  r(x) / sum(r), and on rejection r <- r with x zeroed. With distinct siblings x_1..x_c and p
+  normalised, sibling x_i is reached with probability 1 - p(x_1) - ... - p(x_{i-1}) (the mass
+  of the residual, which the rejections leave as p on the untried tokens) and accepted there with
+  probability p(x_i) / that mass: accepted with probability p(x_i) in all; every sibling is
+  rejected with probability 1 - sum_i p(x_i), and the draw from the residual (p off the siblings,
+  renormalised) then gives each other token y probability p(y). So the token after the node is
+  distributed exactly as p, the child it picks is the node whose p the next depth uses, and by
+  induction over depths every token gained is a draw from head 1's p after the tokens before it:
+  the cycle's output is distributed as plain sampling. (Equivalently: draw y from p and follow
+  the child whose token is y; the sibling-by-sibling form is kept because, with one uniform per
+  depth and sibling rank, a sub-tree's walk is a prefix of the whole tree's, which the cost model
+  reads.) SpecInfer's
+  rule with q the heads' own distribution, for children drawn i.i.d. from q, is exact only for
+  such draws: applied to top-ranked candidates it is not (tests/test_sampling_rules.py shows
+  both). A chain (one child per node) is `accept_sampled` with one-hot q.
+
+  _wrong (tests only): "parent" tests every sibling against the parent's p, never renormalised
+  after a rejection; "p" draws the token after a rejected node's children from p itself rather
+  than the residual. Both are plausible bugs the chi-square tests must catch."""
+  B, N, C = children_BxNxC.shape
+  levels = (u_BxU.shape[1] - 1) // C
+  rows_B = jnp.arange(B)
+
+  def siblings(node_B):  # (children [B, C], their tokens, valid, p at the node [B, V])
+    kids_BxC = children_BxNxC[rows_B, node_B]
+    valid_BxC = kids_BxC >= 0
+    x_BxC = jnp.take_along_axis(tokens_BxN, jnp.maximum(kids_BxC, 0), axis=1)
+    return kids_BxC, x_BxC, valid_BxC, p_BxNxV[rows_B, node_B]
+
+  node_B = jnp.zeros((B,), jnp.int32)
+  live_B = jnp.ones((B,), bool)
+  for d in range(levels):
+    kids_BxC, x_BxC, valid_BxC, p_BxV = siblings(node_B)
+    px_BxC = jnp.where(valid_BxC, jnp.take_along_axis(p_BxV, x_BxC, axis=1), 0.0)
+    # The residual's mass when sibling r is tried: p less the siblings rejected before it.
+    mass_BxC = jnp.sum(p_BxV, axis=-1, keepdims=True) - (jnp.cumsum(px_BxC, axis=1) - px_BxC)
+    if _wrong == "parent":
+      mass_BxC = jnp.broadcast_to(jnp.sum(p_BxV, axis=-1, keepdims=True), px_BxC.shape)
+    ok_BxC = valid_BxC & (u_BxU[:, d * C:(d + 1) * C] * mass_BxC < px_BxC)
+    hit_B = live_B & jnp.any(ok_BxC, axis=1)
+    node_B = jnp.where(hit_B, kids_BxC[rows_B, jnp.argmax(ok_BxC, axis=1)], node_B)
+    live_B = hit_B
+  _, x_BxC, valid_BxC, p_BxV = siblings(node_B)  # every child of the last node was rejected
+  tried_BxV = jnp.any((jnp.arange(p_BxV.shape[-1]) == x_BxC[..., None]) & valid_BxC[..., None],
+                      axis=1)
+  r_BxV = p_BxV if _wrong == "p" else jnp.where(tried_BxV, 0.0, p_BxV)
+  # All of p on the siblings leaves no residual mass; a rejection then had probability ~0.
+  r_BxV = jnp.where(jnp.sum(r_BxV, axis=-1, keepdims=True) > 0, r_BxV, p_BxV)
+  return node_B, draw(r_BxV, u_BxU[:, -1])

@@ -11,8 +11,8 @@ time (`decode.Decoder`, compile seconds recorded), warmed up by one call of its 
 --reps times (calls of all variants interleaved); greedily, and (unless --temperature 0)
 sampled with --temperature / --top_p / --top_k, where speculative sampling is distributed as
 plain sampling but its tokens differ. Variants: `chain:K` (heads 1..K, `chain:all`), `tree:SPEC`
-(greedy only; sampled rows skip it), `auto` (--heads auto: the k the cost model picks for the
-cell), `auto_tree` (--heads auto --tree auto). Each record:
+(a static spec such as 4,2,1, or dynamic:N; greedy and sampled), `auto` (--heads auto: the k the
+cost model picks for the cell), `auto_tree` (--heads auto --tree auto). Each record:
 
   variant, heads, tree   what ran (auto: what it chose; `auto` holds its probe and table)
   a            mean tokens gained per verification forward, over rows and cycles
@@ -112,8 +112,6 @@ def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None):
   ids = dict(eos_id=-1, pad_id=loaded.tokenizer.pad_id, **(sample_kw or {}))
   decoders = {"plain": (decode_lib.Decoder(loaded.params, args, k=1, **shape), None)}
   for v in variants:
-    if sample_kw and v["tree"] not in (None, "auto"):
-      continue  # a tree decodes greedily only (sampling would fall back to the chain)
     k, tree, auto = decode_lib.resolve(loaded.params, args, prompts, max_new_tokens=max_new,
                                        k=v["k"], tree=v["tree"], **ids)
     decoders[v["name"]] = (decode_lib.Decoder(loaded.params, args, k=k, tree=tree, **shape),

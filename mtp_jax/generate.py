@@ -9,11 +9,11 @@ are rows of that batch (row i * num_samples + s is sample s of prompt i, seeded 
 --temperature 0 (the default) is greedy; > 0 samples (then top-k, then top-p), and speculative
 mode is speculative sampling, distributed exactly as plain sampling from head 1. --heads auto
 picks the k of highest predicted speed-up for this batch (plain decoding where speculation
-would lose); --tree SPEC|auto drafts a tree (docs/decoding.md). Prints each completion and one
-line of figures: tokens, forwards, tokens per forward, seconds. `--mode both` also runs plain
-decoding (head 1), times each mode after its own warm-up --reps times, and reports the median
-speed-up with its noise band ("about the same" when the band holds 1); greedy, whether the
-outputs are identical (they must be); sampled, both modes' samples, labelled (their tokens
+would lose); --tree SPEC|dynamic:N|auto drafts a tree (docs/decoding.md). Prints each completion
+and one line of figures: tokens, forwards, tokens per forward, seconds. `--mode both` also runs
+plain decoding (head 1), times each mode after its own warm-up --reps times, and reports the
+median speed-up with its noise band ("about the same" when the band holds 1); greedy, whether
+the outputs are identical (they must be); sampled, both modes' samples, labelled (their tokens
 differ; the distribution is the same).
 """
 
@@ -166,7 +166,8 @@ flags.DEFINE_enum("mode", "speculative", ["speculative", "greedy", "both"], "dec
 flags.DEFINE_string("heads", None, "heads used for drafting, 1..n_future (default: all), or "
                     "auto: the k of highest predicted speed-up for this batch on this machine")
 flags.DEFINE_string("tree", None, "draft tree SPEC (e.g. 4,2,1: top-4 of head 2, top-2 of head "
-                    "3 under each, top-1 of head 4) or auto; greedy, parallel/projection heads")
+                    "3 under each, top-1 of head 4), dynamic:N (N nodes, the most likely paths, "
+                    "chosen per cycle) or auto; greedy or sampled, parallel/projection heads")
 flags.DEFINE_integer("reps", speed.REPS, "--mode both: timed calls per mode (>= 3), after a "
                      "warm-up each")
 flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampling")

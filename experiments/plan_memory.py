@@ -181,12 +181,14 @@ def step_cost(c, n_trunk: int, mesh, model_flops: float, how) -> dict:
 
 
 def _variant(config, n_future: int):
-  from mtp_jax.config import parse_head_weights
+  """`config` with `n_future` heads, resolved (this script's one check of each config it
+  compiles: build_model checks nothing)."""
+  from mtp_jax.config import parse_head_weights, validation
   c = config.copy_and_resolve_references()
   c.model.n_future = n_future
   if not isinstance(parse_head_weights(c.loss.head_weights), str):
     c.loss.head_weights = "uniform"  # a per-head list does not fit another head count
-  return c
+  return validation.resolve(c)
 
 
 def add_cost(args, config, devices, how: str) -> None:
@@ -225,7 +227,7 @@ def plan(config, n_future: int, devices=None, cost: str = "depth") -> dict:
   from mtp_jax.model import build_model
 
   c = _variant(config, n_future)
-  model = build_model(c)  # validates
+  model = build_model(c)
   tx = optim_lib.make_optimizer(c)
   mesh = shard_lib.make_mesh(c, devices)
   shard_lib.check_batch(c, mesh)

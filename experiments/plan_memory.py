@@ -312,8 +312,23 @@ def report(records: list[dict], hbm_gib: float, config_path: str) -> str:
   return "\n".join(lines)
 
 
+def gpus_from_mesh(target_text: str, mesh: str) -> str:
+  """`gpu:NAME` with no count and a --mesh of P > 1 devices (e.g. fsdp=8): the GPU target of P
+  GPUs, 8 per host as on an HGX node (gpu:h200 --mesh fsdp=8 -> gpu:h200:8, fsdp=16 ->
+  gpu:h200:2x8); any other target as it is."""
+  sizes = [int(v) for _, _, v in (item.partition("=") for item in filter(None, mesh.split(",")))
+           if v.strip().isdigit()]
+  n = 1
+  for s in sizes:
+    n *= s
+  if not target_text.startswith("gpu:") or target_text.count(":") != 1 or n <= 1:
+    return target_text
+  return f"{target_text}:{n}" if n <= 8 or n % 8 else f"{target_text}:{n // 8}x8"
+
+
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  args.target = gpus_from_mesh(args.target, args.mesh)
   try:
     target = aot.parse_target(args.target)
   except ValueError as e:

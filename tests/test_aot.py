@@ -94,3 +94,14 @@ def test_plan_memory_target_errors(argv, want):
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert proc.stderr.strip().splitlines()[-1].startswith(want), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("target,mesh,want", [
+    ("gpu:h200", "fsdp=8", "gpu:h200:8"), ("gpu:h200", "data=2,fsdp=8", "gpu:h200:2x8"),
+    ("gpu:h100", "fsdp=4", "gpu:h100:4"), ("gpu:h200", "", "gpu:h200"),
+    ("gpu:h200:8", "fsdp=4", "gpu:h200:8"), ("tpu:v5e:2x2", "fsdp=4", "tpu:v5e:2x2"),
+    ("gpu:h200", "fsdp=-1", "gpu:h200")])
+def test_plan_memory_sizes_a_gpu_target_by_the_mesh(target, mesh, want):
+  """plan_memory --target gpu:h200 --mesh fsdp=8: the mesh's 8 GPUs, one HGX host."""
+  from experiments.plan_memory import gpus_from_mesh
+  assert gpus_from_mesh(target, mesh) == want

@@ -148,6 +148,30 @@ def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None):
   return records
 
 
+def calibration(records) -> dict:
+  """The cost model against the clock over the grid, per mode: off_by (S predicted from the
+  measured a over S measured, - 1) as median and largest |off_by|; for auto, what it predicted
+  when it chose (off_by_auto), and its cells: S measured, the noise band, and whether S >= 0.97
+  or the band reaches 1 ("holds": auto lost nothing beyond the noise)."""
+  out = {}
+  for mode in dict.fromkeys(r["mode"] for r in records):
+    rs = [r for r in records if r["mode"] == mode]
+    off = np.abs([r["off_by"] for r in rs])
+    autos = [r for r in rs if r.get("auto")]
+    out[mode] = {
+        "cells": len(rs), "off_by_median_abs": float(np.median(off)),
+        "off_by_max_abs": float(off.max()),
+        "auto": [{"batch": r["batch"], "prompt_len": r["prompt_len"], "chose": f"k={r['heads']}"
+                  + (f" tree {r['tree']}" if r["tree"] else ""),
+                  "S_measured": r["S_measured"], "S_band": r["S_band"],
+                  "S_predicted_auto": r["S_predicted_auto"], "off_by_auto": r["off_by_auto"],
+                  "holds": bool(r["S_measured"] >= 0.97 or r["S_band"][1] >= 1.0)}
+                 for r in autos]}
+    if autos:
+      out[mode]["auto_holds"] = all(a["holds"] for a in out[mode]["auto"])
+  return out
+
+
 def plots(records, png_dir, prefix="decode_"):
   import matplotlib
   matplotlib.use("Agg")
@@ -243,6 +267,9 @@ def main():
                    cycle_overhead_seconds=r["Tc"] - cost["forward_k"],
                    plain_overhead_seconds=r["T1"] - cost["forward_1"])
           r["off_by"] = r["S_predicted"] / r["S_measured"] - 1
+          if r["auto"]:  # what auto predicted when it chose, before decoding (pessimistic a)
+            r["S_predicted_auto"] = r["auto"]["S_predicted"]
+            r["off_by_auto"] = r["S_predicted_auto"] / r["S_measured"] - 1
           records.append(r)
           lo, hi = r["S_band"]
           print(f"| {r['mode']} | {batch} | {plen} | {r['variant']} | {r['heads']} | "
@@ -255,6 +282,11 @@ def main():
           os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
           with open(args.json, "w") as f:
             json.dump(common.stamp(records), f, indent=2)
+  cal = calibration(records)
+  print(json.dumps({"calibration": cal}), flush=True)
+  if args.json:
+    with open(os.path.splitext(args.json)[0] + "_calibration.json", "w") as f:
+      json.dump(common.stamp(cal), f, indent=2)
   png_dir = args.png_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)
   if png_dir:
     plots(records, png_dir, args.png_prefix)

@@ -17,15 +17,21 @@ continuation, so on each probed cycle the depth a candidate would have reached f
 the probe's best node alone: the first depth whose token ranked beyond the candidate's width
 (`reached_depth`). Per row, that gives a(candidate) = 1 + E[depth reached], smoothed toward the
 batch's pooled histogram (PRIOR pseudo-cycles: a row probed for few cycles is not trusted
-alone); the batch's a is the minimum over rows. (Sampled chains: the histogram of accepted
-drafts, read the same way; exact for greedy, an estimate for sampling.) The choice is the
-candidate of highest predicted S, plain decoding (S = 1) unless a candidate beats it by
-MIN_GAIN.
+alone); the batch's a is the minimum over rows, and a pessimistic one: each row's mean less
+z standard errors (the probe's few cycles, and the decode's own spread over its
+max_new_tokens / a cycles), z = `slowest_row_z(batch)` (1 at batch 1, sqrt(2 ln B) beyond: the
+expected minimum of B draws), so a batch whose slowest row is uncertain is not bet on.
+(Sampled chains: the histogram of accepted drafts, read the same way; exact for greedy, an
+estimate for sampling.) The loop's own cost beyond the forward (acceptance, drafting, stops) is
+measured on the probe for the candidates and on a plain decoding loop for plain decoding
+(`decode.Session`), so both sides of S carry their loop. The choice is the candidate of highest
+predicted S, plain decoding (S = 1) unless a candidate beats it by MIN_GAIN.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax
@@ -159,26 +165,47 @@ def reached_depth(probe: Tree, cand: Tree) -> np.ndarray:
   return out
 
 
-def predict_a(hist_BxN: np.ndarray, probe: Tree, cand: Tree) -> float:
-  """The slowest row's predicted tokens per forward with `cand` (module docstring)."""
+def slowest_row_z(batch: int) -> float:
+  """Standard errors below a row's mean that the batch's slowest row is taken at: 1 for one row
+  (about its 16th percentile), sqrt(2 ln B) for B rows (the expected minimum of B normal
+  draws grows so)."""
+  return max(1.0, math.sqrt(2.0 * math.log(max(batch, 1))))
+
+
+def predict_a(hist_BxN: np.ndarray, probe: Tree, cand: Tree, *, z: float = 0.0,
+              max_new_tokens: int = 0) -> float:
+  """The slowest row's predicted tokens per forward with `cand` (module docstring): each row's
+  mean, from its histogram smoothed toward the pooled one by PRIOR cycles; with z > 0 less z
+  standard errors of it (the probe's n + PRIOR cycles, and a decode of max_new_tokens / a
+  cycles; 0: the probe's alone), never below 1."""
   hist_BxN = np.asarray(hist_BxN, np.float64)
   pooled_N = hist_BxN.sum(0) / max(hist_BxN.sum(), 1)
-  p_BxN = (hist_BxN + PRIOR * pooled_N) / (hist_BxN.sum(1, keepdims=True) + PRIOR)
-  a_B = 1.0 + p_BxN @ reached_depth(probe, cand)
+  n_B = hist_BxN.sum(1)
+  p_BxN = (hist_BxN + PRIOR * pooled_N) / (n_B[:, None] + PRIOR)
+  depth_N = reached_depth(probe, cand).astype(np.float64)
+  mean_B = p_BxN @ depth_N
+  a_B = 1.0 + mean_B
+  if z > 0:
+    var_B = np.maximum(p_BxN @ depth_N ** 2 - mean_B ** 2, 0.0)
+    inv_cycles_B = a_B / max_new_tokens if max_new_tokens else 0.0
+    a_B = np.maximum(1.0, a_B - z * np.sqrt(var_B * (1.0 / (n_B + PRIOR) + inv_cycles_B)))
   return float(a_B.min())
 
 
-def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds) -> dict:
+def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *, z: float = 0.0,
+           max_new_tokens: int = 0) -> dict:
   """The candidate of highest predicted S = a x T1 / T(candidate); seconds(tree) -> (T1, T)
-  (`forward_times`).
+  (`forward_times`, each with its loop's factor); a from `predict_a` (z, max_new_tokens: its
+  pessimism; "a_mean" in the table is the slowest row's mean).
   Returns {"tree": Tree, "S_predicted", "a_predicted", "table": [...]} (plain decoding, the
   chain of 1, unless a candidate's S is at least MIN_GAIN)."""
   table = []
   for cand in cands:
-    a = predict_a(hist_BxN, probe, cand)
+    a = predict_a(hist_BxN, probe, cand, z=z, max_new_tokens=max_new_tokens)
     t1, t = seconds(cand)
     table.append({"tree": cand.name, "heads": cand.k, "nodes": cand.n_nodes, "a_predicted": a,
-                  "forward_1_seconds": t1, "forward_seconds": t, "S_predicted": a * t1 / t})
+                  "a_mean": predict_a(hist_BxN, probe, cand), "forward_1_seconds": t1,
+                  "forward_seconds": t, "S_predicted": a * t1 / t})
   best = max(range(len(cands)), key=lambda i: table[i]["S_predicted"])
   if table[best]["S_predicted"] < MIN_GAIN:
     best = 0  # plain decoding

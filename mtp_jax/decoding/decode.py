@@ -268,28 +268,32 @@ class Session:
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
               sample_kw=sample_kw)
     r, cycle_seconds = self._probe(prompts, probe if trees else None, k=probe.k, **kw)
+    _, plain_cycle_seconds = self._probe(prompts, None, k=1, **kw)  # plain decoding's loop
     context = width + max_new_tokens // 2
 
-    times = self.forward_times([costmodel.chain(1), probe] + cands, batch=batch,
-                               context=context)
-    # The loop's own cost (acceptance, drafting, cache bookkeeping) beyond the forward, measured
-    # on the probe: its seconds per cycle over its window's forward timed in a loop
-    # (`costmodel.forward_times`), applied to every speculative candidate (plain decoding's loop
-    # adds little: measured, docs/decoding.md).
+    one = costmodel.chain(1)
+    times = self.forward_times([one, probe] + cands, batch=batch, context=context)
+    # The loops' own cost (acceptance, drafting, cache bookkeeping) beyond the forward: seconds
+    # per cycle over the window's forward timed in a loop (`costmodel.forward_times`), measured
+    # on the probe for every speculative candidate and on plain decoding's loop for T1.
     loop_factor = max(1.0, cycle_seconds / times[probe])
-    seconds = lambda c: (times[costmodel.chain(1)], times[c] * (loop_factor if c.k > 1 else 1.0))
+    plain_loop_factor = max(1.0, plain_cycle_seconds / times[one])
+    seconds = lambda c: (times[one] * plain_loop_factor,
+                         times[c] * (loop_factor if c.k > 1 else plain_loop_factor))
+    pessimism = dict(z=costmodel.slowest_row_z(batch), max_new_tokens=max_new_tokens)
 
-    picked = costmodel.choose(r.rows_hist, probe, cands, seconds)
+    picked = costmodel.choose(r.rows_hist, probe, cands, seconds, **pessimism)
     best = picked.pop("tree")
     if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
-      picked, best = self._dynamic(prompts, picked, best, k=probe.k, **kw)
+      picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism, **kw)
     return dict(picked, heads=best.k, tree=best if tree_lib.is_tree(best) else None,
                 probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
                        "tokens_per_forward": r.tokens_per_forward, "loop_factor": loop_factor,
-                       "cycle_seconds": cycle_seconds},
+                       "cycle_seconds": cycle_seconds, "plain_loop_factor": plain_loop_factor,
+                       "plain_cycle_seconds": plain_cycle_seconds, "z": pessimism["z"]},
                 seconds=time.perf_counter() - t0)
 
-  def _dynamic(self, prompts, picked, best, *, k, **kw):
+  def _dynamic(self, prompts, picked, best, *, k, pessimism, **kw):
     """`tree=auto`'s dynamic candidate: dynamic:N over heads 2..k, N the node count of the static
     tree of highest predicted S; its a from a probe of its own (the slowest row's, smoothed as
     `costmodel.predict_a` does, from its histogram by depth), its T from its window's timed
@@ -303,9 +307,10 @@ class Session:
     r, cycle_seconds = self._probe(prompts, dyn, k=k, **kw)
     t = self.forward_times([costmodel.chain(1), dyn], batch=len(prompts),
                            context=max(len(p) for p in prompts) + kw["max_new_tokens"] // 2)
-    a = costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k))
+    a = costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k), **pessimism)
     T = t[dyn] * max(1.0, cycle_seconds / t[dyn])
     row = {"tree": dyn.name, "heads": dyn.k, "nodes": dyn.nodes, "a_predicted": a,
+           "a_mean": costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k)),
            "forward_1_seconds": top["forward_1_seconds"], "forward_seconds": T,
            "S_predicted": a * top["forward_1_seconds"] / T}
     picked = dict(picked, table=picked["table"] + [row])

@@ -61,6 +61,7 @@ from mtp_jax import steps as steps_lib
 # d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab, seq_len, default batch, remat policy
 SIZES = {
     "tiny": (64, 6, 4, 2, 128, 256, 32, 2, "none"),
+    "default": (256, 6, 8, 4, 768, 259, 256, 16, "none"),  # configs/default.py: the demo's model
     "125m": (768, 12, 12, 12, 2048, 32768, 2048, 32, "dots_with_no_batch_dims_saveable"),
     "350m": (1024, 24, 16, 16, 2816, 32768, 2048, 16, "dots_with_no_batch_dims_saveable"),
     "1.3b": (2048, 24, 16, 16, 5632, 32768, 2048, 8, "dots_with_no_batch_dims_saveable"),

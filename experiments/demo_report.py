@@ -11,7 +11,11 @@ files the demo wrote (nothing is recomputed here).
   measured against plain decoding (medians of timed calls after a warm-up each, with the noise
   band of those calls: a band holding 1 reads "about the same"), and the cost model's verdict
   for this machine: S = a x T1/Tk, with T1 and Tk a one-token and a k-token forward timed on
-  their own, so speculation pays where a > Tk/T1.
+  their own, so speculation pays where a > Tk/T1;
+- where speculation pays: the best S measured here, the cost model's verdict for this machine,
+  and XLA:TPU's compile-time estimate of S on one v5e chip for this model's shape and the a
+  measured here (experiments/results/aot_decode_v5e_default.json, bench_accel.py --target
+  tpu:v5e:2x2 --sizes default: the compiler's roofline T1 and Tk, not a measurement).
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+
+AOT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                        "aot_decode_v5e_default.json")
 
 
 def _heads(summary: dict, metric: str) -> list[float]:
@@ -33,7 +40,7 @@ def _fmt(values, digits: int = 3) -> str:
   return "  ".join(f"{v:.{digits}f}" for v in values)
 
 
-def report(summary: dict, rows: list[dict]) -> str:
+def report(summary: dict, rows: list[dict], aot: dict | None = None) -> str:
   lines = []
   tokens = summary.get("tokens_seen", 0)
   lines.append(f"== the model: step {summary['step']}, {tokens:,} training tokens, "
@@ -71,19 +78,53 @@ def report(summary: dict, rows: list[dict]) -> str:
                  f"{r.get('reps', 1)} timed calls each: {verdict} plain decoding), predicted "
                  f"a x T1/Tk = {r['S_predicted']:.2f} (off by {r['off_by']:+.0%}: the loop's "
                  "acceptance and sampling work is not in the forwards)")
-  return "\n".join(lines)
+  return "\n".join(lines + closing(rows, aot))
+
+
+def closing(rows: list[dict], aot: dict | None) -> list[str]:
+  """The demo's last lines: where speculation pays, here and (by the compiler) on a TPU."""
+  spec = [r for r in rows if r["heads"] > 1]
+  if not spec:
+    return ["== where speculation pays: auto kept plain decoding in every cell here =="]
+  best = max(spec, key=lambda r: r["S_measured"])
+  lo, hi = best.get("S_band", (best["S_measured"],) * 2)
+  pays = [r for r in spec if r["S_predicted"] > 1]
+  verdict = ("pays on this machine for " + ", ".join(f"{r.get('variant', '')} {r['mode']}"
+                                                     for r in pays) if pays else
+             "does not pay on this machine (a < Tk/T1 for every variant)")
+  out = ["== where speculation pays ==",
+         f"here ({best['mode']}, batch {best['batch']}): best S measured {best['S_measured']:.2f} "
+         f"(band {lo:.2f}-{hi:.2f}, {best.get('variant', '')}); the cost model says speculation "
+         + verdict]
+  chain = [r for r in spec if r["mode"] == "greedy" and r["batch"] == 1 and not r.get("tree")
+           and r["heads"] == (aot or {}).get("runs", [{}])[0].get("k")]
+  if aot and chain:
+    run = next((x for x in aot["runs"] if x["batch"] == 1 and x.get("Tk_over_T1")), None)
+    if run:
+      a = chain[0]["a_batch"]
+      out.append(f"on one {aot['device_kind']} ({aot['compiler']}'s compile-time estimate, not "
+                 f"a measurement): Tk/T1 = {run['Tk_over_T1']:.2f} for this model's shape at "
+                 f"batch 1, so the a = {a:.2f} measured here would give S = "
+                 f"{a / run['Tk_over_T1']:.2f} with {run['k']} heads")
+  return out
 
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--decode_json", required=True, help="experiments/bench_decode.py's --json")
+  ap.add_argument("--aot_json", default=AOT_JSON, help="bench_accel.py --target's JSON for "
+                  "this model's shape ('' : none)")
   a = ap.parse_args(argv)
   with open(os.path.join(a.workdir, "summary.json")) as f:
     summary = json.load(f)
   with open(a.decode_json) as f:
     rows = json.load(f)
-  print(report(summary, rows), flush=True)
+  aot = None
+  if a.aot_json and os.path.isfile(a.aot_json):
+    with open(a.aot_json) as f:
+      aot = json.load(f)
+  print(report(summary, rows, aot), flush=True)
 
 
 if __name__ == "__main__":

@@ -44,3 +44,22 @@ def test_demo_report_says_about_the_same_inside_the_band():
   assert "noise band 0.90-1.10 over 3 timed calls each: about the same as plain decoding" in text
   assert "noise band 1.30-1.50 over 3 timed calls each: faster than plain decoding" in text
   assert "auto, chose plain decoding (head 1)" in text
+
+
+def test_demo_report_ends_on_where_speculation_pays():
+  """The closing lines: the best S measured here, the cost model's verdict (S predicted > 1 for
+  chain:4 only), and the compiler's estimate on a v5e chip: a_batch / (Tk/T1) = 2.4 / 2.0."""
+  summary = {"step": 400, "n_params": 1, "n_future": 4, "head_kind": "parallel"}
+  rows = [dict(record(1.4, [1.3, 1.5]), a_batch=2.4),
+          dict(record(0.9, [0.8, 0.95], "tree:4,2,1", 4, "4,2,1"), S_predicted=0.9)]
+  aot = {"device_kind": "TPU v5 lite", "compiler": "XLA:TPU",
+         "runs": [{"batch": 1, "k": 4, "Tk_over_T1": 2.0}, {"batch": 8, "k": 4, "Tk_over_T1": 3.0}]}
+  text = demo_report.report(summary, rows, aot)
+  assert text.splitlines()[-3] == "== where speculation pays =="
+  assert "best S measured 1.40 (band 1.30-1.50, chain:4)" in text
+  assert "says speculation pays on this machine for chain:4 greedy" in text
+  assert text.splitlines()[-1].endswith("Tk/T1 = 2.00 for this model's shape at batch 1, so the "
+                                        "a = 2.40 measured here would give S = 1.20 with 4 heads")
+  assert "TPU v5 lite (XLA:TPU's compile-time estimate, not a measurement)" in text
+  none = demo_report.report(summary, [record(1.0, [0.9, 1.1], "auto", 1)])
+  assert none.splitlines()[-1].startswith("== where speculation pays: auto kept plain")

@@ -17,10 +17,12 @@ def visible_BxSxT(positions_BxS, segment_ids_BxS, T: int, cached: bool, window: 
       mask_BxSxT &= positions_BxS[:, :, None] - slots_T < window
     return mask_BxSxT
   if cached:  # a tree window at slots positions[:, 0] + j; bit j of a query's id: it sees j
+    # (bits past the window's tokens are clear, so a query may stand alone: layers.Attention's
+    # at_B passes one node's bits with the window's first position)
     S = positions_BxS.shape[1]
     j_Bx1xT = jnp.arange(T)[None, None, :] - positions_BxS[:, :1, None]
     bit_BxSxT = (segment_ids_BxS[:, :, None] >> jnp.clip(j_Bx1xT, 0, 31)) & 1
-    mask_BxSxT = (j_Bx1xT < 0) | ((j_Bx1xT < S) & (bit_BxSxT == 1))
+    mask_BxSxT = (j_Bx1xT < 0) | ((j_Bx1xT < 32) & (bit_BxSxT == 1))
     if window:  # a cache slot's position is the slot; a tree node's is its own position
       node_BxT = jnp.take_along_axis(positions_BxS, jnp.clip(j_Bx1xT[:, 0], 0, S - 1), axis=1)
       key_BxT = jnp.where(j_Bx1xT[:, 0] < 0, jnp.arange(T)[None, :], node_BxT)

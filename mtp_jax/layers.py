@@ -189,6 +189,11 @@ def tokens_2d(fn):
   return wrapped
 
 
+def take_at(x_BxSx_, at_B):
+  """x[b, at_B[b]] for every row b, the sequence axis kept: [B, 1, ...]."""
+  return jnp.take_along_axis(x_BxSx_, at_B.reshape((-1, 1) + (1,) * (x_BxSx_.ndim - 2)), axis=1)
+
+
 class Attention(nn.Module):
   """Causal grouped-query attention. Without a cache, query t sees keys s <= t of its own
   segment (packed documents never attend to each other). With a cache, the new keys are written
@@ -199,25 +204,43 @@ class Attention(nn.Module):
   segment id's bits name.
   The kernel is `args.attention_impl` (mtp_jax.attention: einsum, cpu, xla, cudnn, splash, auto).
   Model families: q/k/v biases (qkv_bias, Qwen2), RMSNorm over head_dim on q and k before RoPE
-  (qk_norm, Qwen3), head_dim apart from d_model / n_heads, RoPE scaling, a sliding window."""
+  (qk_norm, Qwen3), head_dim apart from d_model / n_heads, RoPE scaling, a sliding window.
+
+  `at_B` (with a cache; [B] window indices): keys and values of all S tokens are computed and
+  written, the query of window token at_B alone is answered ([B, 1, D]), as it sees the keys
+  (a tree's node: the slots before the window and its ancestors). Parallel heads' drafting
+  blocks, whose output is read at one slot of a decoding window (`heads.DecodeReads.slot`)."""
   args: ModelArgs
 
   @nn.compact
-  def __call__(self, x_BxSxD, positions_BxS, segment_ids_BxS=None, cache: Cache | None = None):
+  def __call__(self, x_BxSxD, positions_BxS, segment_ids_BxS=None, cache: Cache | None = None,
+               at_B=None):
     a = self.args
     H, K, E = a.n_heads, a.n_kv_heads, a.head_dim
-    q_BxSxHxE, k_BxSxKxE, v_BxSxKxE = projections(
-        self, x_BxSxD, [((H, E), ("embed", "heads", "head_dim"), "wq"),
-                        ((K, E), ("embed", "kv_heads", "head_dim"), "wk"),
-                        ((K, E), ("embed", "kv_heads", "head_dim"), "wv")],
-        a.qkv_bias, a.dtype, fuse_projections(a), dot=dot_general(a))
+    specs = [((H, E), ("embed", "heads", "head_dim"), "wq"),
+             ((K, E), ("embed", "kv_heads", "head_dim"), "wk"),
+             ((K, E), ("embed", "kv_heads", "head_dim"), "wv")]
+    proj = lambda x, specs: projections(self, x, specs, a.qkv_bias, a.dtype, fuse_projections(a),
+                                        dot=dot_general(a))
+    q_pos_BxS, mask_pos_BxS, q_seg_BxS = positions_BxS, positions_BxS, segment_ids_BxS
+    if at_B is None:
+      q_BxSxHxE, k_BxSxKxE, v_BxSxKxE = proj(x_BxSxD, specs)
+    else:  # one query per row: its position, and (a tree) its mask, the window's first slot
+      assert cache is not None, "Attention: at_B needs a cache"
+      if segment_ids_BxS is not None and a.sliding_window:
+        raise NotImplementedError("Attention: at_B with a tree window and a sliding window")
+      k_BxSxKxE, v_BxSxKxE = proj(x_BxSxD, specs[1:])
+      (q_BxSxHxE,) = proj(take_at(x_BxSxD, at_B), specs[:1])
+      q_pos_BxS = mask_pos_BxS = take_at(positions_BxS, at_B)
+      if segment_ids_BxS is not None:
+        mask_pos_BxS, q_seg_BxS = positions_BxS[:, :1], take_at(segment_ids_BxS, at_B)
     if a.qk_norm:  # Qwen3: per-head RMSNorm of q and k, before RoPE
       q_BxSxHxE = rms_norm(q_BxSxHxE, norm_param(self, "q_norm", E), a.norm_eps)
       k_BxSxKxE = rms_norm(k_BxSxKxE, norm_param(self, "k_norm", E), a.norm_eps)
     inv_freq, attention_factor = rope_frequencies(a)
-    once = cache is None or positions_BxS.size > 1  # one token of one row: no identity dot
-    q_BxSxHxE = rope(q_BxSxHxE, positions_BxS, inv_freq, attention_factor, once)
-    k_BxSxKxE = rope(k_BxSxKxE, positions_BxS, inv_freq, attention_factor, once)
+    once = lambda pos: cache is None or pos.size > 1  # one token of one row: no identity dot
+    q_BxSxHxE = rope(q_BxSxHxE, q_pos_BxS, inv_freq, attention_factor, once(q_pos_BxS))
+    k_BxSxKxE = rope(k_BxSxKxE, positions_BxS, inv_freq, attention_factor, once(positions_BxS))
 
     if cache is None:
       k_BxTxKxE, v_BxTxKxE = k_BxSxKxE, v_BxSxKxE
@@ -234,7 +257,7 @@ class Attention(nn.Module):
                               for n, x in (("k", k_BxSxKxE), ("v", v_BxSxKxE)))
       new_cache = {"k": k_BxTxKxE, "v": v_BxTxKxE}
     out_BxSxHxE = attention.attend(
-        q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, positions_BxS, segment_ids_BxS,
+        q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, mask_pos_BxS, q_seg_BxS,
         cached=cache is not None, impl=a.attention_impl, dtype=a.dtype, window=a.sliding_window,
         kv_heads_major=cache is not None)
     out_BxSxD = tokens_2d(nn.DenseGeneral(
@@ -267,11 +290,15 @@ class Block(nn.Module):
   args: ModelArgs
 
   @nn.compact
-  def __call__(self, x_BxSxD, positions_BxS, segment_ids_BxS=None, cache=None):
+  def __call__(self, x_BxSxD, positions_BxS, segment_ids_BxS=None, cache=None, at_B=None):
+    """`at_B`: keys and values of every token written, the rest at window token at_B alone
+    ([B, 1, D] out; `Attention`)."""
     a = self.args
     h, new_cache = Attention(a, name="attention")(
         RMSNorm(a.norm_eps, a.dtype, name="attention_norm")(x_BxSxD), positions_BxS,
-        segment_ids_BxS, cache)
+        segment_ids_BxS, cache, at_B)
+    if at_B is not None:
+      x_BxSxD = take_at(x_BxSxD, at_B)
     x_BxSxD = x_BxSxD + h
     x_BxSxD = x_BxSxD + SwiGLU(a, name="feed_forward")(
         RMSNorm(a.norm_eps, a.dtype, name="ffn_norm")(x_BxSxD))

@@ -163,27 +163,26 @@ def unrolled(params, args: ModelArgs):
   `trunk/layers` params split into `layers_0..n-1`, once. For decoding loops: inside a
   lax.while_loop, a scanned trunk copies every layer's weights out of the stacked arrays at
   every iteration (XLA:CPU does not hoist the slices out of the loop), an unrolled one reads
-  them in place. The same maths (tests/test_model.py: scan == unrolled)."""
-  if not args.scan_layers or args.n_trunk == 0:
-    return params, args
-  trunk = dict(params["trunk"])
-  stacked = trunk.pop("layers")
-  for i in range(args.n_trunk):
-    trunk[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
-  return {**params, "trunk": trunk}, dataclasses.replace(args, scan_layers=False)
+  them in place; then the head kind's own layout for decoding (`HeadKind.decode_layout`). The
+  same maths (tests/test_model.py: scan == unrolled)."""
+  if args.scan_layers and args.n_trunk:
+    trunk = dict(params["trunk"])
+    stacked = trunk.pop("layers")
+    for i in range(args.n_trunk):
+      trunk[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    params, args = {**params, "trunk": trunk}, dataclasses.replace(args, scan_layers=False)
+  return heads.KINDS[args.head_kind].decode_layout(params, args)  # the heads' own (HeadKind)
 
 
 def init_decode_cache(args: ModelArgs, batch: int, length: int, dtype=jnp.float32):
   """Zeroed KV caches for the trunk and every attention block of the heads. Leaves are
   [blocks, B, K, L, E] (heads-major: layers.init_cache)."""
-  n_head_blocks = heads.KINDS[args.head_kind].cache_blocks(args)
   # An unrolled trunk gets one cache per layer ([1, B, K, L, E] leaves, a list): each layer's
   # keys are written in place, not sliced out of a stack and written back.
   trunk = (init_cache(args, args.n_trunk, batch, length, dtype) if args.scan_layers else
            [init_cache(args, 1, batch, length, dtype) for _ in range(args.n_trunk)])
   return {"trunk": trunk,
-          "heads": init_cache(args, n_head_blocks, batch, length, dtype)
-          if n_head_blocks else None}
+          "heads": heads.KINDS[args.head_kind].decode_cache(args, batch, length, dtype)}
 
 
 def param_count(params) -> int:

@@ -232,3 +232,29 @@ def test_auto_heads_follow_the_cost_model(trained, monkeypatch, tk_over_t1, want
   assert table[4]["a_mean"] > 2.5  # the probe saw drafts accepted (row 2 is off the cycle)
   assert 1.0 <= table[4]["a_predicted"] <= table[4]["a_mean"]  # the slowest row, pessimistic
   assert r.auto["S_predicted"] == (1.0 if want == 1 else table[4]["S_predicted"])
+
+
+def test_parallel_slot_cycle_equals_every_token_cycle(trained):
+  """Parallel heads decode with heads 2..k's full block at the read slot alone (their keys and
+  values written at every window token): the same drafts as every head block over every window
+  token (experiments/parallel_cycle.EveryTokenHeads, the same params), so the same acceptance
+  histogram, forwards and tokens: greedy chain and tree, and sampled chain and tree at a fixed
+  seed (whose tokens depend on the drafts' distributions)."""
+  from experiments.parallel_cycle import every_token
+  from mtp_jax.model import unrolled
+  args, params = trained
+  if args.head_kind != "parallel":
+    pytest.skip("the slot cycle is the parallel heads'")
+  assert unrolled(params, args)[1].parallel_stack == "split"
+  kw = dict(k=4, max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
+  runs = [dict(), dict(tree="2,2,1"), dict(temperature=1.0, seed=3),
+          dict(temperature=1.0, seed=3, tree="2,2,1")]
+  new = [decode_lib.decode(params, args, RAGGED, **kw, **r) for r in runs]
+  with every_token(args) as ref_args:
+    assert unrolled(params, ref_args)[1].parallel_stack == "vmap"
+    old = [decode_lib.decode(params, ref_args, RAGGED, **kw, **r) for r in runs]
+  for r, n, o in zip(runs, new, old):
+    assert_same(o, n)
+    np.testing.assert_array_equal(o.rows_hist, n.rows_hist, err_msg=str(r))
+    assert o.forwards == n.forwards
+    assert n.accepted_hist[1:].sum() > 0, f"{r}: no draft accepted, nothing compared"

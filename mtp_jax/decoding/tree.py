@@ -321,8 +321,12 @@ def decode_tree(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max_
   static = None if dynamic else tree.layout(B)
   keys_B = sampling_lib.row_keys(seed, B) if sample else None
   cache = init_decode_cache(args, B, P + max_new_tokens + N, dtype=args.dtype)
-  apply = lambda toks, pos, c, seg: model.apply(
-      {"params": params}, toks, seg, positions_BxS=pos, cache=c, decoding=True)
+  # reads: heads 2..k are read at one slot (the prompt's last, then the deepest accepted node)
+  slot_reads = lambda slot: heads.KINDS[args.head_kind].decode_reads(
+      lambda h1_BxSxD: (None, slot(h1_BxSxD)), W_DxV, None)
+  apply = lambda toks, pos, c, seg, slot: model.apply(
+      {"params": params}, toks, seg, positions_BxS=pos, cache=c, decoding=True,
+      reads=slot_reads(slot))
 
   def next_tree(h_kxBxD, root_B):  # (node tokens, a dynamic tree's layout or None)
     lg_kxBxV = logits(params, args, h_kxBxD[:, :, None])[:, :, 0]
@@ -331,7 +335,8 @@ def decode_tree(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max_
     return _draft(lg_kxBxV[1:], root_B, tree), None
 
   last_P_B = prompt_len_B - 1
-  h_kxBxPxD, cache = apply(prompt_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache, None)
+  h_kxBxPxD, cache = apply(prompt_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache, None,
+                           lambda _: last_P_B)
   h_kxBxD = h_kxBxPxD[:, rows_B, last_P_B]
   lg1_BxV = logits(params, args, h_kxBxD[:1, :, None])[0, :, 0]
   if sample:
@@ -347,23 +352,27 @@ def decode_tree(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max_
     budget_B = budget(s, max_new_tokens)
     toks_BxN = s.drafts_BxK1  # the tree, its root (slot 0) the row's newest token
     t = static if s.layout is None else s.layout
-    h_kxBxNxD, cache = apply(toks_BxN, s.pos_B[:, None] + t.depth_BxN, s.cache, t.bits_BxN)
-    lg1_BxNxV = head_logits(h_kxBxNxD[0], W_DxV)
-    if sample:
-      C = t.children_BxNxC.shape[2]
-      u_BxU = sampling_lib.uniforms(keys_B, s.pos_B, (k - 1) * C + 1)
-      best_B, next_B = sampling_lib.accept_tree(
-          toks_BxN, sampling_lib.probs(lg1_BxNxV, sp), t.children_BxNxC, u_BxU)
-    else:
+
+    def accept(h1_BxNxD):  # (deepest accepted node, after: the draw after it; greedy: g_BxN)
+      lg1_BxNxV = head_logits(h1_BxNxD, W_DxV)
+      if sample:
+        C = t.children_BxNxC.shape[2]
+        u_BxU = sampling_lib.uniforms(keys_B, s.pos_B, (k - 1) * C + 1)
+        return sampling_lib.accept_tree(
+            toks_BxN, sampling_lib.probs(lg1_BxNxV, sp), t.children_BxNxC, u_BxU)
       g_BxN = jnp.argmax(lg1_BxNxV, axis=-1).astype(jnp.int32)
-      best_B = accept_greedy_tree(toks_BxN, g_BxN, t)
+      return accept_greedy_tree(toks_BxN, g_BxN, t), g_BxN
+
+    h_kxBxNxD, cache = apply(toks_BxN, s.pos_B[:, None] + t.depth_BxN, s.cache, t.bits_BxN,
+                             lambda h1_BxNxD: accept(h1_BxNxD)[0])
+    best_B, after = accept(h_kxBxNxD[0])
     path_BxK = t.at_depth_BxNxK[rows_B, best_B]
     m_B = t.depth_BxN[rows_B, best_B]
     if sample:  # the accepted drafts, then the draw after them
       out_BxK = sampling_lib.cycle_tokens(
-          jnp.take_along_axis(toks_BxN, path_BxK[:, 1:], axis=1), m_B, next_B)
+          jnp.take_along_axis(toks_BxN, path_BxK[:, 1:], axis=1), m_B, after)
     else:  # greedy's tokens along the path
-      out_BxK = jnp.take_along_axis(g_BxN, path_BxK, axis=1)
+      out_BxK = jnp.take_along_axis(after, path_BxK, axis=1)
     acc = gain(out_BxK, m_B, s.last_B, eos_id, budget_B)
     cache = compact(cache, s.pos_B, path_BxK)
     new_toks_BxN, layout = next_tree(h_kxBxNxD[:, rows_B, best_B], acc.last_B)

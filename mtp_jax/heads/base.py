@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mtp_jax.layers import init_cache
 from mtp_jax.model_args import ModelArgs
 
 KINDS: dict[str, type[HeadKind]] = {}
@@ -67,16 +68,23 @@ def head_logits(h_BxSxD, unembed_DxV) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeReads:
-  """What the sequential depths read while decoding, given by the decoder (mtp_jax.decoding).
+  """What the heads read while decoding, given by the decoder (mtp_jax.decoding) through
+  `HeadKind.decode_reads`.
 
-  known(h1_BxSxD, depths) -> [depths, B, S] int: the token depth d reads at position s, x_{s+d},
-  where the decoder knows it (the prompt; the accepted drafts and the new token of a cycle), -1
-  elsewhere. draft(xs_d, out_BxSxD) -> [B, S]: depth d's draft from its normalised output, what
-  depth d + 1 reads where nothing is known. xs: per-depth inputs of `draft` (leading axis
-  n_future - 1) or None."""
-  known: Callable
-  draft: Callable
+  Sequential depths: known(h1_BxSxD, depths) -> [depths, B, S] int: the token depth d reads at
+  position s, x_{s+d}, where the decoder knows it (the prompt; the accepted drafts and the new
+  token of a cycle), -1 elsewhere. draft(xs_d, out_BxSxD) -> [B, S]: depth d's draft from its
+  normalised output, what depth d + 1 reads where nothing is known. xs: per-depth inputs of
+  `draft` (leading axis n_future - 1) or None.
+
+  Parallel heads: slot(h1_BxSxD) -> [B]: the one window position at which the decoder reads
+  heads 2..k (the last accepted one; prefill: the prompt's last), from head 1's normalised
+  states. Heads 2..k then run their full block there alone and only write their keys and
+  values elsewhere: their states in the kind's output hold the slot's at every position."""
+  known: Callable | None = None
+  draft: Callable | None = None
   xs: Any = None
+  slot: Callable | None = None
 
 
 class HeadKind(nn.Module):
@@ -174,6 +182,19 @@ class HeadKind(nn.Module):
     LmConfig.flops_per_token)."""
     raise NotImplementedError(f"head kind {cls.kind!r} does not count its FLOPs "
                               "(HeadKind.flops_per_token)")
+
+  @classmethod
+  def decode_layout(cls, params, args: ModelArgs):
+    """(params, args) of the same model laid out for a decoding loop (`model.unrolled`, once
+    before the loop: XLA:CPU slices stacked weights again in every iteration). Default: as is."""
+    return params, args
+
+  @classmethod
+  def decode_cache(cls, args: ModelArgs, batch: int, length: int, dtype):
+    """The heads' zeroed KV caches (`model.init_decode_cache`): leaves [blocks, B, K, L, E],
+    `cache_blocks` of them stacked by default; None without attention blocks."""
+    n = cls.cache_blocks(args)
+    return init_cache(args, n, batch, length, dtype) if n else None
 
   @classmethod
   def decode_reads(cls, known_fn: Callable, unembed_DxV, pick, u_DxB=None, slots_BxN=None):

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
-from mtp_jax.heads.base import HeadKind, Shared, register
-from mtp_jax.layers import Block, remat, rms_norm
+from mtp_jax.heads.base import DecodeReads, HeadKind, Shared, register
+from mtp_jax.layers import Block, init_cache, remat, rms_norm
 from mtp_jax.model_args import ModelArgs
+
+SPLIT = "split"  # parallel_stack of the decoding layout (ParallelHeads.decode_layout)
 
 @register("parallel")
 class ParallelHeads(HeadKind):
@@ -45,11 +50,39 @@ class ParallelHeads(HeadKind):
       fail("model.n_future", f"parallel heads take their blocks from the trunk, so n_future "
            f"must be <= model.n_layers ({m.n_layers}), got {m.n_future}")
 
+  @classmethod
+  def decode_layout(cls, params, args: ModelArgs):
+    """Decoding splits head 1's block ("first") from the drafting heads' stack ("blocks", heads
+    2..k), once: head 1 verifies every window token, heads 2..k run their full block at one
+    slot (`DecodeReads.slot`). parallel_stack "split" (a decoding layout, not a config choice)."""
+    if args.n_future < 2 or args.parallel_stack == SPLIT:
+      return params, args
+    stacked = params["heads"]["blocks"]
+    split = {"first": jax.tree.map(lambda x: x[0], stacked),
+             "blocks": jax.tree.map(lambda x: x[1:], stacked)}
+    return {**params, "heads": split}, dataclasses.replace(args, parallel_stack=SPLIT)
+
+  @classmethod
+  def decode_cache(cls, args: ModelArgs, batch: int, length: int, dtype):
+    """Split (`decode_layout`): [head 1's cache, heads 2..k's], each with a blocks axis."""
+    if args.parallel_stack != SPLIT:
+      return super().decode_cache(args, batch, length, dtype)
+    return [init_cache(args, n, batch, length, dtype) for n in (1, args.n_future - 1)]
+
+  @classmethod
+  def decode_reads(cls, known_fn, unembed_DxV, pick, u_DxB=None, slots_BxN=None):
+    """Heads 2..k are read at the decoder's slot alone: `known_fn(h1)`'s second part (the last
+    accepted window position; prefill: the prompt's last)."""
+    del unembed_DxV, pick, u_DxB, slots_BxN
+    return DecodeReads(slot=lambda h1_BxSxD: known_fn(h1_BxSxD)[1])
+
   @nn.compact
   def __call__(self, z_BxSxD, s: Shared, cache=None):
     a = self.args
     lifted = dict(variable_axes={"params": 0}, split_rngs={"params": True},
                   metadata_params={nn.PARTITION_NAME: "mtp_heads"})
+    if a.parallel_stack == SPLIT:
+      return self.split(z_BxSxD, s, cache, lifted)
     if a.parallel_stack == "vmap":
       blocks = nn.vmap(remat(Block, a.remat_policy), in_axes=(None, None, None, 0), out_axes=0,
                        axis_size=a.n_future, **lifted)
@@ -65,3 +98,26 @@ class ParallelHeads(HeadKind):
       _, (h_NxBxSxD, new_cache) = scan(remat(Block, a.remat_policy)(a, name="blocks"), None,
                                        cache)
     return rms_norm(h_NxBxSxD, s.norm_D, a.norm_eps), new_cache
+
+  def split(self, z_BxSxD, s: Shared, cache, lifted):
+    """The decoding layout (`decode_layout`): head 1's block over every token, then heads
+    2..k's side by side, at `s.reads.slot` alone when the decoder gives one (their keys and
+    values still written for every token), their states broadcast over the window."""
+    a = self.args
+    pos, seg = s.positions_BxS, s.segment_ids_BxS
+    c1, cs = (None, None) if cache is None else cache
+    h1_BxSxD, c1 = remat(Block, a.remat_policy)(a, name="first")(
+        z_BxSxD, pos, seg, None if c1 is None else jax.tree.map(lambda c: c[0], c1))
+    h1_BxSxD = rms_norm(h1_BxSxD, s.norm_D, a.norm_eps)
+    at_B = None
+    if (cache is not None and s.reads is not None and s.reads.slot is not None
+        and not (seg is not None and a.sliding_window)):  # (Attention's at_B: not both)
+      at_B = s.reads.slot(h1_BxSxD).astype(jnp.int32)
+    blocks = nn.vmap(remat(Block, a.remat_policy), in_axes=(None, None, None, 0, None),
+                     out_axes=0, axis_size=a.n_future - 1, **lifted)
+    h_K1xBxSxD, cs = blocks(a, name="blocks")(z_BxSxD, pos, seg, cs, at_B)
+    h_K1xBxSxD = rms_norm(h_K1xBxSxD, s.norm_D, a.norm_eps)
+    if at_B is not None:
+      h_K1xBxSxD = jnp.broadcast_to(h_K1xBxSxD, (a.n_future - 1,) + z_BxSxD.shape)
+    new_cache = None if cache is None else [jax.tree.map(lambda c: c[None], c1), cs]
+    return jnp.concatenate([h1_BxSxD[None], h_K1xBxSxD]), new_cache

@@ -18,12 +18,19 @@ columns are -inf (`model.mask_pad_logits`), so the logsumexp, the argmax and the
 the real vocabulary only, in the scanned loss, its token tiles and the naive reference alike.
 On one CPU device, where nothing is sharded, the scanned loss multiplies the real columns only.
 
+Over training (`head_weights_at`): loss.mtp_lambda_schedule moves mtp_lambda, and
+loss.head_curriculum switches heads 2..n on one by one, both by the train state's step.
+loss.draft_objective trains heads 2..n on head 1's own distribution at the same target position
+(KL or total variation, stop-gradient), its logits recomputed in the same per-head scan.
+
 Everything is first a per-head sum over tokens (`mtp_sums`: NLL, lse^2, correct, agreeing,
 scored tokens); `summarise` divides once per head. Sums add up across micro-batches, so a
 gradient-accumulating train step (steps.py) reproduces the full batch's per-head token means.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +59,51 @@ def head_weights(config: ml_collections.ConfigDict) -> np.ndarray:
   raise ValueError(f"config.loss.head_weights: unknown {lo.head_weights!r}")
 
 
+def weights_vary(config: ml_collections.ConfigDict) -> bool:
+  """Whether lambda_i changes over training (loss.mtp_lambda_schedule, loss.head_curriculum)."""
+  return config.loss.mtp_lambda_schedule != "constant" or config.loss.head_curriculum > 0
+
+
+def _at_fraction(fraction: float, steps: int) -> int:
+  """The first step at `fraction` of `steps` (rounded first: 0.8 * 20 is 16.000000000000004)."""
+  return math.ceil(round(fraction * steps, 6))
+
+
+def curriculum_starts(config: ml_collections.ConfigDict) -> np.ndarray:
+  """The step each head switches on at under loss.head_curriculum = f: head k at
+  f * (k - 1) / (n - 1) of train.steps (head 1 at 0; every head from f on)."""
+  n, f, steps = config.model.n_future, config.loss.head_curriculum, config.train.steps
+  return np.asarray([_at_fraction(f * k / max(n - 1, 1), steps) for k in range(n)], np.int32)
+
+
+def mtp_lambda_at(config: ml_collections.ConfigDict, step):
+  """loss.mtp_lambda at train step `step` (an int or traced) under loss.mtp_lambda_schedule."""
+  kind, args = config_lib.parse_lambda_schedule(config.loss.mtp_lambda_schedule)
+  steps, step = config.train.steps, jnp.asarray(step, jnp.int32)
+  if kind == "constant":
+    return jnp.float32(config.loss.mtp_lambda)
+  if kind == "steps":
+    starts = np.asarray([_at_fraction(f, steps) for _, f in args], np.int32)
+    return jnp.asarray([v for v, _ in args], jnp.float32)[jnp.sum(step >= starts) - 1]
+  p = jnp.clip(step.astype(jnp.float32) / steps, 0.0, 1.0)
+  if kind == "cosine":
+    p = (1.0 - jnp.cos(jnp.pi * p)) / 2.0
+  return jnp.float32(args[0]) + jnp.float32(args[1] - args[0]) * p
+
+
+def head_weights_at(config: ml_collections.ConfigDict, step):
+  """lambda_i at train step `step` (an int or traced): `head_weights`, with loss.mtp_lambda
+  following loss.mtp_lambda_schedule (head_weights = "deepseek": 1, then lambda / D) and, under
+  loss.head_curriculum, each head 0 until its `curriculum_starts` step."""
+  n, w_N = config.model.n_future, jnp.asarray(head_weights(config))
+  if config.loss.mtp_lambda_schedule != "constant":
+    depth = mtp_lambda_at(config, step) / max(n - 1, 1)
+    w_N = jnp.concatenate([w_N[:1], jnp.broadcast_to(depth, (n - 1,))])
+  if config.loss.head_curriculum > 0:
+    w_N = jnp.where(jnp.asarray(step, jnp.int32) >= curriculum_starts(config), w_N, 0.0)
+  return w_N
+
+
 def targets_and_mask(tokens_BxS, segment_ids_BxS, n_future: int):
   """tgt_NxBxS[i, b, t] = tokens[b, t + i + 1]; mask_NxBxS says which of them count."""
   B, S = tokens_BxS.shape
@@ -68,8 +120,8 @@ def targets_and_mask(tokens_BxS, segment_ids_BxS, n_future: int):
   return jnp.stack(tgts), jnp.stack(masks)
 
 
-def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT, vocab_size, dot=jax.lax.dot_general):
-  """Summed NLL and summed lse^2 over the masked tokens, and the argmax, for one tile."""
+def _logits(h_BxTxD, unembed_DxV, vocab_size, dot):
+  """One tile's f32 logits, pad columns -inf."""
   B, T, D = h_BxTxD.shape  # one token axis: XLA:CPU's fast GEMM path (see layers.tokens_2d)
   logits_BxTxV = dot(h_BxTxD.reshape(B * T, D), unembed_DxV.astype(h_BxTxD.dtype),
                      (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -77,13 +129,37 @@ def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT, vocab_size, dot=jax.la
   # On a mesh, keep the tile's rows with their batch shard: unconstrained, GSPMD all-gathered
   # the whole global tile onto every chip (33.5 GB at 7B scale, found with plan_memory).
   logits_BxTxV = sharding.constrain(logits_BxTxV, ("batch", None, "vocab"))
-  logits_BxTxV = mask_pad_logits(logits_BxTxV, vocab_size)
+  return mask_pad_logits(logits_BxTxV, vocab_size)
+
+
+def divergence(teacher_BxTxV, logits_BxTxV, objective: str, lse_BxT=None):
+  """Per token, from head 1's logits (the teacher) p and a draft head's q: KL(p || q)
+  ("kl_to_head1") or the total variation (1/2) sum |p - q| ("tv"), the probability that
+  speculative sampling rejects the draft. Pad columns (-inf in both) add nothing. `lse_BxT`:
+  the draft's logsumexp where the caller has it."""
+  logp = jax.nn.log_softmax(teacher_BxTxV, axis=-1)
+  p = jnp.exp(logp)
+  lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1) if lse_BxT is None else lse_BxT
+  if objective == "kl_to_head1":  # sum p (log p - z) + lse(z), as sum p = 1
+    return jnp.sum(jnp.where(p > 0, p * (logp - logits_BxTxV), 0.0), axis=-1) + lse_BxT
+  return 0.5 * jnp.sum(jnp.abs(p - jnp.exp(logits_BxTxV - lse_BxT[..., None])), axis=-1)
+
+
+def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT, vocab_size, dot=jax.lax.dot_general,
+                 teacher_BxTxD=None, objective="ce"):
+  """Summed NLL and summed lse^2 over the masked tokens, and the argmax, for one tile; with a
+  teacher's hidden states (stop-gradient) also the summed `divergence` from its distribution."""
+  logits_BxTxV = _logits(h_BxTxD, unembed_DxV, vocab_size, dot)
   lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
   tgt_logit_BxT = jnp.take_along_axis(logits_BxTxV, tgt_BxT[..., None], axis=-1)[..., 0]
   m = mask_BxT.astype(jnp.float32)
   nll = jnp.sum((lse_BxT - tgt_logit_BxT) * m)
   zsq = jnp.sum(jnp.square(lse_BxT) * m)
-  return nll, zsq, jnp.argmax(logits_BxTxV, axis=-1).astype(jnp.int32)
+  out = nll, zsq, jnp.argmax(logits_BxTxV, axis=-1).astype(jnp.int32)
+  if teacher_BxTxD is None:
+    return out
+  teacher_BxTxV = _logits(teacher_BxTxD, jax.lax.stop_gradient(unembed_DxV), vocab_size, dot)
+  return *out, jnp.sum(divergence(teacher_BxTxV, logits_BxTxV, objective, lse_BxT) * m)
 
 
 def head_token_counts(tokens_BxS, segment_ids_BxS, n_future: int):
@@ -113,10 +189,12 @@ def _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS):
 
 
 def weighted_loss(sums, weights_N, z_loss: float, count_N=None):
-  """sum_i lambda_i * (NLL_i + z * lse_i^2) / count_i. `count_N` defaults to the sums' own token
-  counts; a micro-batch passes the whole batch's, so its losses add up to the batch's loss."""
+  """sum_i lambda_i * (L_i + z * lse_i^2) / count_i, L_i the summed NLL (or, for heads 2..n
+  under loss.draft_objective, the summed divergence: sums["objective"]). `count_N` defaults to
+  the sums' own token counts; a micro-batch passes the whole batch's, so its losses add up to
+  the batch's loss."""
   denom_N = jnp.maximum(sums["tokens"] if count_N is None else count_N, 1.0)
-  per_head_N = sums["nll"] / denom_N + z_loss * sums["zsq"] / denom_N
+  per_head_N = sums.get("objective", sums["nll"]) / denom_N + z_loss * sums["zsq"] / denom_N
   return jnp.sum(jnp.asarray(weights_N) * per_head_N)
 
 
@@ -130,24 +208,34 @@ def summarise(sums, weights_N, z_loss: float):
       "head_agree": sums["agree"] / denom_N,
       "head_tokens": sums["tokens"],
   }
+  if "objective" in sums:  # what each head is trained on: head 1's NLL, the drafts' divergence
+    metrics["head_objective"] = sums["objective"] / denom_N
   return metrics["loss"], metrics
 
 
 def mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
-             token_chunks: int = 1, z_loss: float = 0.0, vocab_size: int | None = None):
+             token_chunks: int = 1, z_loss: float = 0.0, vocab_size: int | None = None,
+             objective: str = "ce"):
   """Memory-lean MTP loss. Returns (scalar loss, metrics with per-head [N] arrays). Columns of
   unembed_DxV from `vocab_size` on are padding (None: every column is a real id)."""
   sums = mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, token_chunks=token_chunks,
-                  vocab_size=vocab_size)
+                  vocab_size=vocab_size, objective=objective)
   return summarise(sums, weights_N, z_loss)
 
 
 def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunks: int = 1,
-             vocab_size: int | None = None, frozen_heads: int = 0, dot=jax.lax.dot_general):
+             vocab_size: int | None = None, frozen_heads: int = 0, dot=jax.lax.dot_general,
+             objective: str = "ce"):
   """Per-head sums (nll, zsq, correct, agree, tokens; each [N]) of the memory-lean loss. The
   first `frozen_heads` heads get no gradient (optim.trainable = "heads": head 1 depends on
   frozen params only), so their logits are never differentiated. `dot`: the logits' product
-  (layers.dot_general: XLA's, or MKL's on one CPU device)."""
+  (layers.dot_general: XLA's, or MKL's on one CPU device).
+
+  `objective` (loss.draft_objective) other than "ce" adds sums["objective"]: head 1's NLL, and
+  for head i >= 2 the summed `divergence` from head 1's distribution at position t + i - 1 (the
+  same target position, x_{t+i}) to head i's at t. Head 1's hidden states go in stop-gradient
+  and its teacher logits are recomputed inside head i's scan step, next to head i's own, so
+  logit memory stays O(V + d) in n."""
   N, B, S, D = h_NxBxSxD.shape
   V = unembed_DxV.shape[1] if vocab_size is None else vocab_size
   if V < unembed_DxV.shape[1] and backends.current().real_vocab_only():
@@ -158,45 +246,55 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
   if S % C:
     raise ValueError(f"config.loss.token_chunks: must divide the sequence length {S}, got {C}")
   tgt_NxBxS, mask_NxBxS = targets_and_mask(tokens_BxS, segment_ids_BxS, N)
+  draft = objective != "ce" and N > 1
+  if draft:  # head i's teacher at t: head 1 at t + i - 1 (past the end: zeros, masked)
+    h1_BxSxD = jnp.pad(jax.lax.stop_gradient(h_NxBxSxD[0]), ((0, 0), (0, N), (0, 0)))
 
-  def tile(_, xs):
-    return None, _token_stats(xs[0], unembed_DxV, xs[1], xs[2], V, dot)
+  def stats(h_BxTxD, tgt_BxT, mask_BxT, *teacher_BxTxD):
+    return _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT, V, dot, *teacher_BxTxD,
+                        objective=objective)
 
   def head(_, xs):
-    h_BxSxD, tgt_BxS, mask_BxS = xs
+    h_BxSxD, tgt_BxS, mask_BxS, *shift = xs
+    teacher = [jax.lax.dynamic_slice_in_dim(h1_BxSxD, shift[0], S, axis=1)] if shift else []
     if C == 1:
-      return None, _token_stats(h_BxSxD, unembed_DxV, tgt_BxS, mask_BxS, V, dot)
+      return None, stats(h_BxSxD, tgt_BxS, mask_BxS, *teacher)
     split = lambda a: jnp.moveaxis(a.reshape(B, C, S // C, *a.shape[2:]), 1, 0)
-    _, (nll_C, zsq_C, pred_CxBxT) = jax.lax.scan(
-        jax.checkpoint(tile, policy=_SAVE_NOTHING), None,
-        (split(h_BxSxD), split(tgt_BxS), split(mask_BxS)))
-    return None, (nll_C.sum(), zsq_C.sum(), jnp.moveaxis(pred_CxBxT, 0, 1).reshape(B, S))
+    _, (nll_C, zsq_C, pred_CxBxT, *div_C) = jax.lax.scan(
+        jax.checkpoint(lambda _, t: (None, stats(*t)), policy=_SAVE_NOTHING), None,
+        tuple(split(a) for a in (h_BxSxD, tgt_BxS, mask_BxS, *teacher)))
+    return None, (nll_C.sum(), zsq_C.sum(), jnp.moveaxis(pred_CxBxT, 0, 1).reshape(B, S),
+                  *(d.sum() for d in div_C))
 
   def scan(*xs):
     return jax.lax.scan(jax.checkpoint(head, policy=_SAVE_NOTHING), None, xs)[1]
 
+  # Runs of heads scanned alike: the first F heads forward only (no backward pass through their
+  # logits); under a draft objective head 1 (no teacher) apart from heads 2..n.
   F = min(frozen_heads, N)
-  if F == 0:
-    nll_N, zsq_N, pred_NxBxS = scan(h_NxBxSxD, tgt_NxBxS, mask_NxBxS)
-  else:  # the first F heads forward only: no backward pass through their logits
-    frozen = scan(jax.lax.stop_gradient(h_NxBxSxD[:F]), tgt_NxBxS[:F], mask_NxBxS[:F])
-    nll_N, zsq_N, pred_NxBxS = frozen
-    if F < N:
-      rest = scan(h_NxBxSxD[F:], tgt_NxBxS[F:], mask_NxBxS[F:])
-      nll_N, zsq_N, pred_NxBxS = (jnp.concatenate(x) for x in zip(frozen, rest))
-  return _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS)
+  cuts = sorted({0, F, N} | ({1} if draft else set()))
+  parts = []
+  for lo, hi in zip(cuts, cuts[1:]):
+    part = lambda a, lo=lo, hi=hi: a if (lo, hi) == (0, N) else a[lo:hi]
+    h = jax.lax.stop_gradient(part(h_NxBxSxD)) if hi <= F else part(h_NxBxSxD)
+    teacher = (jnp.arange(lo, hi),) if draft and lo else ()
+    out = scan(h, part(tgt_NxBxS), part(mask_NxBxS), *teacher)
+    parts.append((*out, out[0]) if draft and not lo else out)  # head 1's objective: its NLL
+  out = parts[0] if len(parts) == 1 else [jnp.concatenate(x) for x in zip(*parts)]
+  sums = _head_sums(*out[:3], tgt_NxBxS, mask_NxBxS)
+  return dict(sums, objective=out[3]) if draft else sums
 
 
 def naive_mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
-                   z_loss: float = 0.0, vocab_size: int | None = None):
+                   z_loss: float = 0.0, vocab_size: int | None = None, objective: str = "ce"):
   """Reference: every head's logits materialised at once, O(nV + d). Tests and benchmarks."""
   return summarise(naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS,
-                                  vocab_size=vocab_size), weights_N, z_loss)
+                                  vocab_size=vocab_size, objective=objective), weights_N, z_loss)
 
 
 def naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *,
-                   vocab_size: int | None = None):
-  """`mtp_sums` with every head's logits at once."""
+                   vocab_size: int | None = None, objective: str = "ce"):
+  """`mtp_sums` with every head's logits at once (and the teachers': head 1's, shifted)."""
   N = h_NxBxSxD.shape[0]
   tgt_NxBxS, mask_NxBxS = targets_and_mask(tokens_BxS, segment_ids_BxS, N)
   logits_NxBxSxV = jnp.einsum("nbsd,dv->nbsv", h_NxBxSxD,
@@ -211,7 +309,13 @@ def naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *,
                    axis=(1, 2))
   zsq_N = jnp.sum(jnp.square(lse_NxBxS) * m, axis=(1, 2))
   pred_NxBxS = jnp.argmax(logits_NxBxSxV, axis=-1).astype(jnp.int32)
-  return _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS)
+  sums = _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS)
+  if objective == "ce" or N == 1:
+    return sums
+  head1_BxSxV = jax.lax.stop_gradient(logits_NxBxSxV[0])
+  div = [jnp.sum(divergence(jnp.roll(head1_BxSxV, -k, axis=1), logits_NxBxSxV[k], objective)
+                 * m[k]) for k in range(1, N)]
+  return dict(sums, objective=jnp.stack([nll_N[0], *div]))
 
 
 def model_sums(params, model, config, batch, frozen_heads: int = 0):
@@ -221,7 +325,7 @@ def model_sums(params, model, config, batch, frozen_heads: int = 0):
   return mtp_sums(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
                   batch.get("segment_ids"), token_chunks=config.loss.token_chunks,
                   vocab_size=model.args.vocab_size, frozen_heads=frozen_heads,
-                  dot=layers.dot_general(model.args))
+                  dot=layers.dot_general(model.args), objective=config.loss.draft_objective)
 
 
 def model_loss(params, model, config, batch, *, naive: bool = False):
@@ -231,5 +335,5 @@ def model_loss(params, model, config, batch, *, naive: bool = False):
     h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
     return naive_mtp_loss(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
                           batch.get("segment_ids"), w, z_loss=config.loss.z_loss,
-                          vocab_size=model.args.vocab_size)
+                          vocab_size=model.args.vocab_size, objective=config.loss.draft_objective)
   return summarise(model_sums(params, model, config, batch), w, config.loss.z_loss)

@@ -123,7 +123,10 @@ def init_state(model, tx, config, mesh, rng, shardings=None) -> TrainState:
 
 
 def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
-  """Pure (params, batch) -> (grads, metrics) of the weighted per-head loss (loss.py).
+  """Pure (params, batch, step=0) -> (grads, metrics) of the weighted per-head loss (loss.py).
+  `step` (the train state's) sets lambda_i where they change over training
+  (loss.head_weights_at: loss.mtp_lambda_schedule, loss.head_curriculum); metrics carry them as
+  head_weight.
 
   With `train.grad_accum = A` the batch is scanned as A micro-batches. Each one adds its per-head
   sums (NLL, lse^2, correct, agreeing, tokens) and the gradient of sum_i lambda_i * sums_i /
@@ -142,7 +145,7 @@ def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
   heads_only = config.optim.trainable == "heads"
   trained = optim_lib.trained_slots(config) if heads_only else None
 
-  def objective(params, batch, count_N):
+  def objective(params, batch, count_N, weights_N):
     if heads_only:
       params = optim_lib.stop_frozen_gradients(params, trained)
     sums = loss_lib.model_sums(params, model, config, batch, frozen_heads=int(heads_only))
@@ -157,34 +160,36 @@ def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
     """Every leaf [rows, ...] -> [n, rows / n, ...]: micro-batches and slices alike."""
     return jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
 
-  def grads_and_sums(params, batch, count_N):
+  def grads_and_sums(params, batch, count_N, weights_N):
     """Gradients and sums of `batch`, its rows cut into `batch_slices` slices computed side by
     side (independent programs XLA runs at once) and summed: every slice divides by the whole
     batch's token counts, as micro-batches do. Resolved here, while tracing: the mesh in
     context (plan_memory's TPU target, say) decides auto."""
     slices = batch_slices(config)
     if slices == 1:
-      return objective_grad(params, batch, count_N)
+      return objective_grad(params, batch, count_N, weights_N)
     count_N = counts(batch) if count_N is None else count_N
     split = split_rows(batch, slices)
-    parts = [objective_grad(params, jax.tree.map(lambda x, i=i: x[i], split), count_N)
+    parts = [objective_grad(params, jax.tree.map(lambda x, i=i: x[i], split), count_N, weights_N)
              for i in range(slices)]
     return functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), parts)
 
-  def grad_fn(params, batch):
+  def grad_fn(params, batch, step=0):
+    w_N = loss_lib.head_weights_at(config, step) if loss_lib.weights_vary(config) else weights_N
     if accum == 1:
-      grads, sums = grads_and_sums(params, batch, None)
+      grads, sums = grads_and_sums(params, batch, None, w_N)
     else:
       count_N = counts(batch)
       micro = split_rows(batch, accum)
 
       def body(carry, mb):
-        return jax.tree.map(jnp.add, carry, grads_and_sums(params, mb, count_N)), None
+        return jax.tree.map(jnp.add, carry, grads_and_sums(params, mb, count_N, w_N)), None
 
-      zeros = jax.eval_shape(grads_and_sums, params, jax.tree.map(lambda x: x[0], micro), count_N)
+      zeros = jax.eval_shape(grads_and_sums, params, jax.tree.map(lambda x: x[0], micro), count_N,
+                             w_N)
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
       (grads, sums), _ = jax.lax.scan(body, zeros, micro)
-    return grads, loss_lib.summarise(sums, weights_N, z_loss)[1]
+    return grads, dict(loss_lib.summarise(sums, w_N, z_loss)[1], head_weight=w_N)
 
   return grad_fn
 
@@ -206,7 +211,7 @@ def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
   nan_steps = tuple(config.train.debug_nonfinite_steps)
 
   def train_step(state: TrainState, batch):
-    grads, metrics = grad_fn(state.params, batch)
+    grads, metrics = grad_fn(state.params, batch, state.step)
     if nan_steps:  # fault injection for the reliability tests only: traced when asked for
       poison = jnp.any(jnp.asarray(nan_steps, jnp.int32) == state.step)
       grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)

@@ -13,8 +13,9 @@ import optax
 import pytest
 
 from mtp_jax import heads
-from mtp_jax.loss import (head_weights, model_loss, mtp_loss, naive_mtp_loss,
-                          targets_and_mask)
+from mtp_jax.config import validation
+from mtp_jax.loss import (head_weights, head_weights_at, model_loss, mtp_loss, mtp_sums,
+                          naive_mtp_loss, summarise, targets_and_mask)
 from mtp_jax.model import logits
 
 # Two rows of 6 tokens. Row 0 is one document; row 1 packs document 1 (3 tokens), document 2
@@ -136,6 +137,28 @@ def test_metrics_and_z_loss_hand_worked():
       np.testing.assert_allclose(metrics[key], want, rtol=1e-6, err_msg=f"{name} {key}")
 
 
+def test_draft_objectives_hand_worked():
+  """loss.draft_objective on HAND_P_C: head 2 at t against head 1 at t + 1 (the same target
+  position), by hand: t = 0 compares p = (.1, .6, .3) with q = (.2, .7, .1), t = 1 compares
+  p = (.5, .25, .25) with q = (.3, .25, .45). Head 1 keeps its NLL; the total weighs them."""
+  h_NxBxSxD = np.asarray([[[np.log(p) + c for p, c in head]] for head in HAND_P_C], np.float32)
+  kl = lambda p, q: sum(a * math.log(a / b) for a, b in zip(p, q))
+  pairs = [((.1, .6, .3), (.2, .7, .1)), ((.5, .25, .25), (.3, .25, .45))]
+  loss1 = -(math.log(.5) + math.log(.6) + math.log(.25)) / 3
+  draft = {"kl_to_head1": sum(kl(p, q) for p, q in pairs) / 2,
+           "tv": (0.5 * (.1 + .1 + .2) + 0.5 * (.2 + 0 + .2)) / 2}
+  args = (h_NxBxSxD, np.eye(3, dtype=np.float32), HAND_TOKENS, HAND_SEGMENTS,
+          np.asarray([1.0, 0.5], np.float32))
+  for objective, want in draft.items():
+    for name, fn in [("mtp", mtp_loss), ("naive", naive_mtp_loss)]:
+      loss, metrics = jax.jit(functools.partial(fn, objective=objective))(*args)
+      np.testing.assert_allclose(metrics["head_objective"], [loss1, want], rtol=1e-5,
+                                 err_msg=f"{name} {objective}")
+      np.testing.assert_allclose(loss, loss1 + 0.5 * want, rtol=1e-5)
+      np.testing.assert_allclose(metrics["head_loss"][1], -(math.log(.7) + math.log(.25)) / 2,
+                                 rtol=1e-5)  # still reported: head 2's NLL
+
+
 def _random_case(n, B=2, S=16, D=32, V=53, seed=0):
   k = jax.random.split(jax.random.PRNGKey(seed), 3)
   h = jax.random.normal(k[0], (n, B, S, D), jnp.float32)
@@ -178,6 +201,51 @@ def test_loss_and_grads_equal_naive(n, z_loss):
     assert loss_ref > out["no_z"] + 1e-3
 
 
+@pytest.mark.parametrize("objective", ["kl_to_head1", "tv"])
+def test_draft_objective_grads_equal_naive(objective):
+  """The draft objective in the scan (whole heads and 4 tiles; 3 of 53 columns padding) against
+  the naive reference: loss, metrics, gradients w.r.t. h (head 1's teacher is stop-gradient, so
+  h[0] gets head 1's NLL gradient only) and the unembedding. Frozen head 1
+  (optim.trainable = "heads") gives heads 2..n the same gradients."""
+  n, vocab = 3, 50
+  h, w, tokens, segments = _random_case(n)
+  tokens = tokens % vocab
+  weights = np.asarray([1.0, 0.7, 0.4], np.float32)
+
+  def scanned(h, w, chunks, frozen):
+    sums = mtp_sums(h, w, tokens, segments, token_chunks=chunks, vocab_size=vocab,
+                    frozen_heads=frozen, objective=objective)
+    return summarise(sums, weights, 0.0)
+
+  @jax.jit
+  def run(h, w):
+    vg = lambda f: jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w)
+    out = {"naive": vg(lambda h, w: naive_mtp_loss(h, w, tokens, segments, weights,
+                                                   vocab_size=vocab, objective=objective))}
+    for chunks, frozen in ((1, 0), (4, 0), (1, 1)):
+      out[f"{chunks} {frozen}"] = vg(lambda h, w, c=chunks, f=frozen: scanned(h, w, c, f))
+    return out
+
+  out = run(h, w)
+  (loss_ref, m_ref), (gh_ref, gw_ref) = out["naive"]
+  assert np.abs(gh_ref[1:]).max() > 0 and m_ref["head_objective"][1] > 0
+  for key, ((loss, m), (gh, gw)) in ((k, v) for k, v in out.items() if k != "naive"):
+    chunks, frozen = map(int, key.split())
+    what = f"chunks {chunks}, frozen {frozen}"
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-5, err_msg=what)
+    for key in ("head_objective", "head_loss", "head_agree"):
+      np.testing.assert_allclose(m[key], m_ref[key], rtol=1e-5, err_msg=f"{key}, {what}")
+    np.testing.assert_allclose(gh[frozen:], gh_ref[frozen:], rtol=1e-4, atol=1e-7, err_msg=what)
+    if frozen:
+      assert not np.any(gh[0])
+    else:
+      np.testing.assert_allclose(gw, gw_ref, rtol=1e-4, atol=1e-7, err_msg=what)
+  # The teacher really is stop-gradient: h[0]'s gradient is head 1's NLL term alone.
+  ce_only = jax.grad(lambda h: naive_mtp_loss(h, w, tokens, segments, weights * [1, 0, 0],
+                                              vocab_size=vocab)[0])(h)
+  np.testing.assert_allclose(gh_ref[0], ce_only[0], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("kind", ["parallel", "sequential"])
 def test_n_future_1_is_next_token_cross_entropy(make_config, make_model, kind):
   c = make_config(kind, 1)
@@ -208,6 +276,35 @@ def test_head_weights_from_config(make_config):
   np.testing.assert_allclose(head_weights(c), [1, 0, 2, 0.5])
 
 
+def test_head_weights_at_chosen_steps_hand_values(make_config):
+  """loss.mtp_lambda_schedule and loss.head_curriculum over 100 steps, n_future 4 (deepseek:
+  1, then lambda / 3), against values worked out by hand; traced step (jit) and int alike."""
+  c = make_config("sequential", 4)
+  c.train.steps, c.loss.head_weights = 100, "deepseek"
+  cases = {
+      # DeepSeek-V3: 0.3, then 0.1 from 80% of training on (step 80).
+      ("0.3@0,0.1@0.8", 0.0): {0: [1, .1, .1, .1], 79: [1, .1, .1, .1],
+                               80: [1, .1 / 3, .1 / 3, .1 / 3], 99: [1, .1 / 3, .1 / 3, .1 / 3]},
+      ("linear:0.3,0.1", 0.0): {0: [1, .1, .1, .1], 50: [1, .2 / 3, .2 / 3, .2 / 3],
+                                100: [1, .1 / 3, .1 / 3, .1 / 3]},
+      # 0.3 - 0.2 (1 - cos(pi / 4)) / 2 = 0.27071 at a quarter.
+      ("cosine:0.3,0.1", 0.0): {25: [1] + [0.2707107 / 3] * 3, 50: [1, .2 / 3, .2 / 3, .2 / 3]},
+      # Curriculum 0.6 over 4 heads: heads 2, 3, 4 on at steps 20, 40, 60.
+      ("constant", 0.6): {0: [1, 0, 0, 0], 19: [1, 0, 0, 0], 20: [1, .1, 0, 0],
+                          59: [1, .1, .1, 0], 60: [1, .1, .1, .1]},
+      ("0.3@0,0.2@0.5", 0.6): {45: [1, .1, .1, 0], 50: [1, .2 / 3, .2 / 3, 0],
+                               60: [1, .2 / 3, .2 / 3, .2 / 3]},
+  }
+  for (schedule, curriculum), want in cases.items():
+    c.loss.mtp_lambda_schedule, c.loss.head_curriculum = schedule, curriculum
+    validation.validate(c)
+    frozen = c.copy_and_resolve_references()
+    at = jax.jit(lambda step, frozen=frozen: head_weights_at(frozen, step))
+    for step, w in want.items():
+      np.testing.assert_allclose(at(step), w, rtol=1e-6, err_msg=f"{schedule} {step}")
+      np.testing.assert_allclose(head_weights_at(c, step), w, rtol=1e-6)
+
+
 def test_token_chunks_must_divide_the_sequence():
   h, w, tokens, segments = _random_case(2)
   with pytest.raises(ValueError, match=r"^config\.loss\.token_chunks: "):
@@ -226,12 +323,13 @@ V, D, B, S = 32768, 256, 8, 256
 
 
 @functools.cache
-def _loss_temp_bytes(n: int, naive: bool = False, chunks: int = 1) -> int:
+def _loss_temp_bytes(n: int, naive: bool = False, chunks: int = 1, objective: str = "ce") -> int:
   weights = np.ones(n, np.float32)
   if naive:
-    f = lambda h, w, t: naive_mtp_loss(h, w, t, None, weights)[0]
+    f = lambda h, w, t: naive_mtp_loss(h, w, t, None, weights, objective=objective)[0]
   else:
-    f = lambda h, w, t: mtp_loss(h, w, t, None, weights, token_chunks=chunks)[0]
+    f = lambda h, w, t: mtp_loss(h, w, t, None, weights, token_chunks=chunks,
+                                 objective=objective)[0]
   args = (jax.ShapeDtypeStruct((n, B, S, D), jnp.float32),
           jax.ShapeDtypeStruct((D, V), jnp.float32),
           jax.ShapeDtypeStruct((B, S), jnp.int32))
@@ -262,3 +360,13 @@ def test_token_chunks_reduce_memory():
   n=2 to n=8 is the O(V + d) claim.)"""
   assert _loss_temp_bytes(4, chunks=4) < 0.5 * _loss_temp_bytes(4, chunks=1)
   assert _loss_temp_bytes(8, chunks=4) <= 1.01 * _loss_temp_bytes(2, chunks=4)
+
+
+@pytest.mark.parametrize("objective", ["kl_to_head1", "tv"])
+def test_draft_objective_memory_flat_in_n(objective):
+  """Head 1's teacher logits are recomputed inside each head's scan step, never kept for every
+  head: n=3 to n=8 grows the temp memory by at most 10% (from n=3: heads 2..n are one scan,
+  of length 1 at n=2, which XLA removes), within 4 head logit blocks of ce's."""
+  three, eight = _loss_temp_bytes(3, objective=objective), _loss_temp_bytes(8, objective=objective)
+  assert eight <= 1.10 * three, (three, eight)
+  assert three <= _loss_temp_bytes(3) + 4 * B * S * V * 4, (three, _loss_temp_bytes(3))

@@ -154,6 +154,29 @@ def test_exact_resume_after_stop(corpus, reference, tmp_path):
 
 
 @pytest.mark.slow
+def test_loss_schedules_resume_exactly(corpus, tmp_path):
+  """loss.mtp_lambda_schedule, loss.head_curriculum and a draft objective, stopped at step 10
+  and resumed, end with the params of the straight run: the weights follow the train state's
+  step (head 2 on at 4, head 3 at 8, lambda 0.3 -> 0.1 at 12, after the stop), and are logged
+  per step (metrics.jsonl's step s: the weights of train step s - 1)."""
+  args = ("--config.model.n_future=3", "--config.loss.head_weights=deepseek",
+          "--config.loss.mtp_lambda_schedule=0.3@0,0.1@0.6", "--config.loss.head_curriculum=0.4",
+          "--config.loss.draft_objective=tv")
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  run_train(corpus, straight, *args)
+  run_train(corpus, resumed, *args, "--config.train.stop_at=10")
+  run_train(corpus, resumed, *args)
+  assert summary(resumed)["params_sha256"] == summary(straight)["params_sha256"]
+  rows = [json.loads(l) for l in open(resumed / "metrics.jsonl")]
+  weights = {r["step"]: [r.get(f"train/head{i}_weight") for i in (1, 2, 3)] for r in rows
+             if "train/head1_weight" in r}
+  for step, want in {1: [1, 0, 0], 5: [1, .15, 0], 9: [1, .15, .15], 12: [1, .15, .15],
+                     13: [1, .05, .05], 20: [1, .05, .05]}.items():
+    np.testing.assert_allclose(weights[step], want, rtol=1e-6, err_msg=str(step))
+  assert 0 < summary(resumed)["train/head2_objective"] < 1  # tv: a probability
+
+
+@pytest.mark.slow
 def test_kill_9_then_resume(corpus, reference, tmp_path):
   wd = tmp_path / "run"
   p = subprocess.Popen(train_cmd(corpus, wd, "--config.train.checkpoint_every=2"),

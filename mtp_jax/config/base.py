@@ -11,6 +11,7 @@ below it (build_model, the steps, decoding) takes the resolved config and checks
 
 from __future__ import annotations
 
+import math
 import os
 
 import ml_collections
@@ -24,6 +25,9 @@ from mtp_jax.model_args import ModelArgs
 HEAD_WEIGHTS = ("uniform", "geometric", "deepseek")  # loss.head_weights, or one weight per head
 TOKENIZERS = ("byte", "sentencepiece", "hf")  # data.tokenizer
 SCHEDULES = ("cosine", "linear", "constant")  # optim.schedule
+# loss.draft_objective: what heads 2..n are trained on (loss.py): the hard next tokens, or head
+# 1's own distribution at the same target position (KL to it, or total variation).
+DRAFT_OBJECTIVES = ("ce", "kl_to_head1", "tv")
 TRAINABLE = ("all", "heads")  # optim.trainable: "heads" trains heads 2..n only (optimizer.py)
 DISTRIBUTED_MODES = ("auto", "on", "off")  # mesh.distributed (sharding.py)
 
@@ -39,6 +43,7 @@ def _at_least_0(x):
 ALLOWED = {
     **ModelArgs.rules("allowed"),
     "data.tokenizer": TOKENIZERS,
+    "loss.draft_objective": DRAFT_OBJECTIVES,
     "optim.schedule": SCHEDULES,
     "optim.trainable": TRAINABLE,
     "mesh.distributed": DISTRIBUTED_MODES,
@@ -49,6 +54,7 @@ FLOAT_RANGES = {
     "loss.geometric_decay": ("in (0, 1]", lambda x: 0 < x <= 1),
     "loss.mtp_lambda": (">= 0", _at_least_0),
     "loss.z_loss": (">= 0", _at_least_0),
+    "loss.head_curriculum": ("in [0, 1] (0: off)", lambda x: 0 <= x <= 1),
     "optim.lr": ("> 0", _positive),
     "optim.min_lr_ratio": ("in [0, 1]", lambda x: 0 <= x <= 1),
     "optim.b1": ("in [0, 1)", lambda x: 0 <= x < 1),
@@ -79,6 +85,17 @@ def base_config() -> ml_collections.ConfigDict:
   c.loss.geometric_decay = 0.5  # head i gets decay**(i-1)
   c.loss.mtp_lambda = 0.3  # DeepSeek-V3: main loss + lambda/D * sum of depth losses
   c.loss.z_loss = 0.0
+  # loss.mtp_lambda over training (head_weights = "deepseek"; loss.head_weights_at):
+  # "constant", steps "0.3@0,0.1@0.8" (value@fraction of train.steps, from 0: DeepSeek-V3's 0.3,
+  # then 0.1), or "linear:0.3,0.1" / "cosine:0.3,0.1" (the first value at step 0, the second at
+  # the end).
+  c.loss.mtp_lambda_schedule = "constant"
+  # Forward curriculum: > 0 switches heads on one by one, head k at fraction
+  # head_curriculum * (k - 1) / (n_future - 1) of train.steps (all on from head_curriculum).
+  c.loss.head_curriculum = 0.0
+  # Heads 2..n: "ce" (the hard next tokens), "kl_to_head1" (KL from head 1's distribution at the
+  # same target position, stop-gradient), "tv" (total variation to it).
+  c.loss.draft_objective = "ce"
 
   c.data = ml_collections.ConfigDict()
   c.data.corpus = "python_code"
@@ -226,6 +243,35 @@ def load_json(path: str) -> ml_collections.ConfigDict:
     if value and not os.path.isabs(value) and os.path.exists(os.path.join(folder, value)):
       c.data[field] = os.path.join(folder, value)
   return c
+
+
+def parse_lambda_schedule(value: str):
+  """loss.mtp_lambda_schedule as (kind, args): ("constant", ()), ("steps", ((value, fraction),
+  ...)), ("linear" | "cosine", (start, end)). ValueError (without the field's name) when it
+  spells none of them."""
+  text = str(value).replace(" ", "")
+  if text == "constant":
+    return "constant", ()
+  kind = text.split(":", 1)[0] if text.startswith(("linear:", "cosine:")) else "steps"
+  try:
+    if kind == "steps":
+      args = tuple((float(v), float(f)) for v, f in (p.split("@") for p in text.split(",")))
+      values, fractions = [v for v, _ in args], [f for _, f in args]
+    else:
+      args = tuple(float(x) for x in text.split(":", 1)[1].split(","))
+      values, fractions = args, [0.0]
+      if len(args) != 2:
+        raise ValueError
+  except ValueError:
+    raise ValueError(f"got {value!r}: 'constant', steps 'VALUE@FRACTION,...' from 0 (e.g. "
+                     "'0.3@0,0.1@0.8'), 'linear:START,END' or 'cosine:START,END'") from None
+  if not all(math.isfinite(v) and v >= 0 for v in values):
+    raise ValueError(f"values must be finite numbers >= 0, got {value!r}")
+  if fractions[0] != 0 or fractions[-1] >= 1 or any(
+      b <= a for a, b in zip(fractions, fractions[1:])):
+    raise ValueError(f"the fractions of train.steps must start at 0, rise, and stay below 1, "
+                     f"got {value!r}")
+  return kind, args
 
 
 def parse_head_weights(value):

@@ -17,7 +17,8 @@ import math
 import ml_collections
 
 from mtp_jax import heads
-from mtp_jax.config.base import ALLOWED, FLOAT_RANGES, HEAD_WEIGHTS, base_config, parse_head_weights
+from mtp_jax.config.base import (ALLOWED, FLOAT_RANGES, HEAD_WEIGHTS, base_config,
+                                 parse_head_weights, parse_lambda_schedule)
 from mtp_jax.data import corpus
 
 
@@ -144,6 +145,17 @@ def _loss(c: ml_collections.ConfigDict) -> None:
             f"got {len(weights)}")
     if not all(math.isfinite(w) and w >= 0 for w in weights):
       _fail("loss.head_weights", f"weights must be finite numbers >= 0, got {weights}")
+  try:
+    schedule = parse_lambda_schedule(lo.mtp_lambda_schedule)[0]
+  except ValueError as e:
+    _fail("loss.mtp_lambda_schedule", str(e))
+  if schedule != "constant" and lo.head_weights != "deepseek":
+    _fail("loss.mtp_lambda_schedule", f"schedules loss.mtp_lambda, which only "
+          f"loss.head_weights = 'deepseek' reads, got head_weights {lo.head_weights!r}")
+  for field, off in (("head_curriculum", 0), ("draft_objective", "ce")):
+    if lo[field] != off and n < 2:
+      _fail(f"loss.{field}", f"acts on heads 2..n and model.n_future is {n}: set "
+            f"model.n_future >= 2 or loss.{field}={off!r}")
 
 
 def _train(c: ml_collections.ConfigDict) -> None:

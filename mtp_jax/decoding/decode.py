@@ -1,36 +1,19 @@
 """Greedy and sampled decoding, plain and self-speculative with the MTP heads (Gloeckle et al.
-2024 §3.2 and appendix A; blockwise parallel decoding, Stern et al. 2018; speculative sampling,
-Leviathan et al. 2023 and Chen et al. 2023).
+2024 §3.2; Stern et al. 2018; Leviathan et al. 2023).
 
 One cycle feeds [last accepted token, drafts d_1..d_{k-1}] at positions L..L+k-1 through the
-trunk and heads 1..k with a KV cache. Head 1 at window slot j gives the token for position
-L+j+1. Greedy: its argmax g_j; draft d_j is accepted while d_j == g_{j-1}; with m drafts accepted
-the row gains g_0..g_m (m + 1 tokens). Sampling (temperature > 0, top-k, top-p;
-`mtp_jax.decoding.sampling`): draft d_j was drawn from head j+1's truncated distribution q_j and is
-accepted with probability min(1, p(d_j) / q_j(d_j)), p being head 1's; at the first rejection
-the next token is drawn from normalise(max(0, p - q)), after k-1 acceptances from p (the bonus
-token), so the output is distributed exactly as plain sampling from head 1. Either way heads
-2..k at the last accepted slot propose the next drafts (drawn from their own distributions when
-sampling). Cache slots past the new length hold rejected states; they are never read before
-being overwritten (rollback by length). k = 1 is plain decoding with head 1 only, on the same
-machinery; greedy output equals head 1's greedy output token for token.
+trunk and heads 1..k with a KV cache; head 1 at slot j gives the token for position L+j+1.
+Greedy: d_j is accepted while d_j == argmax g_{j-1}, so a row gains m + 1 tokens for m accepted
+drafts. Sampling (`mtp_jax.decoding.sampling`): d_j is accepted with probability
+min(1, p(d_j) / q_j(d_j)), the first rejection draws from normalise(max(0, p - q)), so the
+output is distributed exactly as plain sampling from head 1. Heads 2..k at the last accepted
+slot propose the next drafts (rollback by length). k = 1 is plain decoding (docs/decoding.md).
 
-The whole loop is one jit (`decode_loop.decode_chain`): lax.while_loop over a `DecodeState`,
-static shapes, per-row lengths; rows that hit EOS or max_new_tokens stop (their slots are
-frozen) while the others go on. The rules of a cycle are pure functions: `accept_greedy`,
-`sampling.accept_sampled`. Randomness is per row (`sampling.row_keys`), so a row's samples do
-not depend on the rest of the batch. `Decoder` compiles the loop ahead of time for one batch
-shape (jax.jit caches the program). Tree drafts (`tree=`, static or dynamic, greedy or
-sampled, parallel and projection heads): `mtp_jax.decoding.tree`. k="auto" / tree="auto":
-`Session.choose`, by the cost model (`mtp_jax.decoding.costmodel`), decided once per shape
-and kept on the `Session` (bounded). Errors name the parameter (`k: ...`); the CLIs name their
-flags (`cli.flag_error`).
-
-Sequential (DeepSeek-V3) heads decode in chain mode: depth j reads x_{t+j} where it is known
-(the prompt at prefill, the accepted drafts and the new token in a cycle: teacher forcing, as in
-training) and otherwise depth j-1's draft at the same position (its argmax, or its draw), so one
-forward yields k-1 chained drafts at the last accepted position (`HeadKind.decode_reads`).
-"""
+The loop is one jit (`decode_loop.decode_chain`, per-row lengths and EOS); `Decoder` compiles it
+for one batch shape. Trees (`tree=`, static or dynamic, greedy or sampled):
+`mtp_jax.decoding.tree`. k="auto" / tree="auto": `Session.choose`, by the cost model
+(`mtp_jax.decoding.costmodel`), decided once per shape and kept on the `Session` (bounded).
+Errors name the parameter (`k: ...`), the CLIs their flags. Sequential heads: a chain."""
 
 from __future__ import annotations
 

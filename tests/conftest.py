@@ -148,3 +148,25 @@ def micro_sweep(path, runs: str):
             "BASE_CONFIG, COMMON = micro.BASE_CONFIG, micro.COMMON\n"
             f"def get_runs():\n  return {runs}\n")
   return path
+
+
+# A small 7B-shaped model (configs/paper_7b_n4.py shrunk): what the ahead-of-time compile tests
+# (tests/tpu, tests/gpu) hand plan_memory.py for a target's abstract devices.
+SMALL_7B = {"model.vocab_size": 256, "model.d_model": 256, "model.n_heads": 2,
+            "model.n_kv_heads": 2, "model.d_ff": 256, "model.n_layers": 5, "model.n_future": 2,
+            "model.max_len": 256, "data.seq_len": 256, "loss.token_chunks": 2,
+            "train.grad_accum": 2}
+
+
+def plan_small_7b(target: str, out, *extra: str) -> int:
+  """experiments/plan_memory.py's main (loaded by path, in this process) on SMALL_7B for
+  `target`, FSDP over 4 devices, batch 8, the JSON to `out`; `extra` flags go before the
+  overrides. Its exit status."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "plan_memory", os.path.join(REPO, "experiments", "plan_memory.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  argv = ["--config", os.path.join(REPO, "configs", "paper_7b_n4.py"), "--target", target,
+          "--mesh", "fsdp=4", "--batch", "8", "--no_baseline", *extra, "--json", str(out)]
+  return module.main(argv + [a for k, v in SMALL_7B.items() for a in ("--set", f"{k}={v}")])

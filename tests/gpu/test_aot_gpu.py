@@ -6,14 +6,13 @@ the cuDNN flash kernel for a GPU target, and what the records say."""
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import require
+from conftest import plan_small_7b, require
 
 from mtp_jax import aot, attention
 
@@ -23,28 +22,13 @@ require("nvidia.cudnn")
 aot.prepare_env(aot.parse_target("gpu:h100"))  # before any backend starts: no GPU, no autotuning
 
 
-def _plan_memory():
-  spec = importlib.util.spec_from_file_location(
-      "plan_memory", os.path.join(ROOT, "experiments", "plan_memory.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_train_step_compiles_for_h100_with_cudnn(tmp_path):
   """plan_memory --target gpu:h100:4 on a small 7B-shaped model: XLA:GPU compiles the whole
   train step (packed documents, grad_accum 2, full remat) for 4 abstract H100s, FSDP over them,
   and attention_impl "auto" became cuDNN flash attention, forward and backward."""
   assert jax.default_backend() == "cpu"  # no GPU here: the target decides the kernel
   out = tmp_path / "plan.json"
-  small = {"model.vocab_size": 256, "model.d_model": 256, "model.n_heads": 2,
-           "model.n_kv_heads": 2, "model.d_ff": 256, "model.n_layers": 5, "model.n_future": 2,
-           "model.max_len": 256, "data.seq_len": 256, "loss.token_chunks": 2,
-           "train.grad_accum": 2}
-  argv = ["--config", os.path.join(ROOT, "configs", "paper_7b_n4.py"), "--target",
-          "gpu:h100:4", "--mesh", "fsdp=4", "--batch", "8", "--no_baseline", "--json",
-          str(out)] + [a for k, v in small.items() for a in ("--set", f"{k}={v}")]
-  assert _plan_memory().main(argv) == 0
+  assert plan_small_7b("gpu:h100:4", out) == 0
   saved = json.loads(out.read_text())
   if os.environ.get("GPU_AOT_JSON"):  # make test-gpu-aot keeps the record (docs/accelerators.md)
     with open(os.environ["GPU_AOT_JSON"], "w") as f:

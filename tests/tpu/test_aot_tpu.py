@@ -5,29 +5,18 @@ compiler takes the program, what it picked, and the compiler's own numbers."""
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import require
+from conftest import plan_small_7b, require
 
 from mtp_jax import aot
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET = aot.parse_target("tpu:v5e:2x2")
 require("libtpu")
 aot.prepare_env(TARGET)  # before libtpu starts (at the first topology): no TPU VM discovery
-
-
-def _plan_memory():
-  spec = importlib.util.spec_from_file_location(
-      "plan_memory", os.path.join(ROOT, "experiments", "plan_memory.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def test_train_step_compiles_for_v5e_with_splash(tmp_path):
@@ -36,14 +25,7 @@ def test_train_step_compiles_for_v5e_with_splash(tmp_path):
   the Pallas splash kernel, lowered by Mosaic, shard_mapped over the batch."""
   assert jax.default_backend() == "cpu"  # no chip here: the target decides the kernel
   out = tmp_path / "plan.json"
-  small = {"model.vocab_size": 256, "model.d_model": 256, "model.n_heads": 2,
-           "model.n_kv_heads": 2, "model.d_ff": 256, "model.n_layers": 5, "model.n_future": 2,
-           "model.max_len": 256, "data.seq_len": 256, "loss.token_chunks": 2,
-           "train.grad_accum": 2}
-  argv = ["--config", os.path.join(ROOT, "configs", "paper_7b_n4.py"), "--target",
-          "tpu:v5e:2x2", "--mesh", "fsdp=4", "--batch", "8", "--no_baseline", "--cost", "none",
-          "--json", str(out)] + [a for k, v in small.items() for a in ("--set", f"{k}={v}")]
-  assert _plan_memory().main(argv) == 0
+  assert plan_small_7b("tpu:v5e:2x2", out, "--cost", "none") == 0
   saved = json.loads(out.read_text())
   (r,) = saved["records"]
   assert (r["compiler"], r["device_kind"], r["devices"]) == ("XLA:TPU", "TPU v5 lite", 4)

@@ -96,16 +96,16 @@ def closing(rows: list[dict], aot: dict | None) -> list[str]:
          f"here ({best['mode']}, batch {best['batch']}): best S measured {best['S_measured']:.2f} "
          f"(band {lo:.2f}-{hi:.2f}, {best.get('variant', '')}); the cost model says speculation "
          + verdict]
-  chain = [r for r in spec if r["mode"] == "greedy" and r["batch"] == 1 and not r.get("tree")
-           and r["heads"] == (aot or {}).get("runs", [{}])[0].get("k")]
-  if aot and chain:
-    run = next((x for x in aot["runs"] if x["batch"] == 1 and x.get("Tk_over_T1")), None)
-    if run:
-      a = chain[0]["a_batch"]
-      out.append(f"on one {aot['device_kind']} ({aot['compiler']}'s compile-time estimate, not "
-                 f"a measurement): Tk/T1 = {run['Tk_over_T1']:.2f} for this model's shape at "
-                 f"batch 1, so the a = {a:.2f} measured here would give S = "
-                 f"{a / run['Tk_over_T1']:.2f} with {run['k']} heads")
+  run = next((x for x in (aot or {}).get("runs", [])
+              if x["batch"] == 1 and x.get("Tk_over_T1")), None)
+  chain = [r for r in spec if run and r["mode"] == "greedy" and r["batch"] == 1
+           and not r.get("tree") and r["heads"] == run["k"]]
+  if chain:
+    a = chain[0]["a_batch"]
+    out.append(f"on one {aot['device_kind']} ({aot['compiler']}'s compile-time estimate, not "
+               f"a measurement): Tk/T1 = {run['Tk_over_T1']:.2f} for this model's shape at "
+               f"batch 1, so the a = {a:.2f} measured here would give S = "
+               f"{a / run['Tk_over_T1']:.2f} with {run['k']} heads")
   return out
 
 

@@ -100,15 +100,23 @@ def ensure_devices(n: int) -> None:
     os.execve(sys.executable, cmd + sys.argv[1:], env)
 
 
-def load_config(path: str, overrides: list[str], mesh: str, batch: int):
-  from mtp_jax.config import load_file  # (jax first)
-  c = load_file(path)
-  common.apply_overrides(c, overrides)
+def parse_mesh(mesh: str) -> dict[str, int]:
+  """--mesh "data=2,fsdp=4" -> {"data": 2, "fsdp": 4}; ValueError naming --mesh."""
+  out = {}
   for item in filter(None, mesh.split(",")):
     axis, _, size = item.partition("=")
     if axis.strip() not in ("data", "fsdp", "tensor") or not size.strip().lstrip("-").isdigit():
       raise ValueError(f"--mesh: expected data=N, fsdp=N or tensor=N, got {item!r}")
-    c.mesh[axis.strip()] = int(size)
+    out[axis.strip()] = int(size)
+  return out
+
+
+def load_config(path: str, overrides: list[str], mesh: str, batch: int):
+  from mtp_jax.config import load_file  # (jax first)
+  c = load_file(path)
+  common.apply_overrides(c, overrides)
+  for axis, size in parse_mesh(mesh).items():
+    c.mesh[axis] = size
   if batch:
     c.train.batch_size = batch
   return c
@@ -316,11 +324,9 @@ def gpus_from_mesh(target_text: str, mesh: str) -> str:
   """`gpu:NAME` with no count and a --mesh of P > 1 devices (e.g. fsdp=8): the GPU target of P
   GPUs, 8 per host as on an HGX node (gpu:h200 --mesh fsdp=8 -> gpu:h200:8, fsdp=16 ->
   gpu:h200:2x8); any other target as it is."""
-  sizes = [int(v) for _, _, v in (item.partition("=") for item in filter(None, mesh.split(",")))
-           if v.strip().isdigit()]
   n = 1
-  for s in sizes:
-    n *= s
+  for size in parse_mesh(mesh).values():
+    n *= max(size, 1)  # -1 (fill) names no count
   if not target_text.startswith("gpu:") or target_text.count(":") != 1 or n <= 1:
     return target_text
   return f"{target_text}:{n}" if n <= 8 or n % 8 else f"{target_text}:{n // 8}x8"
@@ -328,8 +334,8 @@ def gpus_from_mesh(target_text: str, mesh: str) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  args.target = gpus_from_mesh(args.target, args.mesh)
   try:
+    args.target = gpus_from_mesh(args.target, args.mesh)
     target = aot.parse_target(args.target)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

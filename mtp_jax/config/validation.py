@@ -90,8 +90,9 @@ def _model(c: ml_collections.ConfigDict) -> None:
           f"{m.scan_unroll}")
   # Heads: every kind's own fields (whichever kind is chosen, so a typo in a saved config
   # fails), then the chosen kind's own checks.
+  defaults = base_config().model.heads
   for kind in heads.KINDS.values():
-    kind.validate_fields(m.heads, base_config().model.heads, _fail)
+    kind.validate_fields(m.heads, defaults, _fail)
   heads.KINDS[m.heads.kind].validate_config(m, _fail)
   # The model-family fields (head_dim, RoPE scaling, sliding window: layers.Attention).
   if m.head_dim < 0 or m.head_dim % 2:

@@ -107,10 +107,17 @@ def _forward_fn(params, args, tree: Tree, batch, context):
   else:
     pos = context + jnp.broadcast_to(jnp.arange(width), (batch, width))
 
+  kind = heads.KINDS[args.head_kind]
+  # heads 2..k read at one slot, as the decoding loops read them (parallel heads then run their
+  # full block there alone); sequential depths draft inside the forward, as without reads
+  slot_B = jnp.zeros((batch,), jnp.int32)
+  reads = (lambda w: kind.decode_reads(lambda h1: (None, slot_B), w, None)) if kind.drafts_tree \
+      else (lambda w: None)
+
   def body(p, w_DxV, carry):
     toks_BxW, c = carry
     h_KxBxWxD, c = model.apply({"params": p}, toks_BxW, seg, positions_BxS=pos, cache=c,
-                               decoding=True)
+                               decoding=True, reads=reads(w_DxV))
     out_BxW = jnp.argmax(h_KxBxWxD[0] @ w_DxV, -1)  # head 1 verifies every window token
     if k > 1:  # the drafting heads, at one slot (greedy cycles unembed them there only)
       out_BxW = out_BxW + jnp.argmax(h_KxBxWxD[1:, :, :1] @ w_DxV, -1).sum(0)

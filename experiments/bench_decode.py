@@ -30,9 +30,14 @@ cost model picks for the cell), `auto_tree` (--heads auto --tree auto). Each rec
                sampling, drafting, cache bookkeeping); plain_overhead_seconds: T1 - T1_fwd
   identical    greedy rows: every row's output equals greedy's (sampled rows: null)
 
-Also: acceptance by draft position (by depth, for a tree), and the teacher-forced agreement of
-head k with head 1 on the same held-out text (what training logs; loops in free generation
-cannot flatter it).
+  alpha_by_position   P(draft j accepted | drafts < j accepted), measured while decoding (by
+               depth, for a tree); acceptance_by_position: P(at least j drafts accepted)
+  a_bound      chains: 1 + alpha_2 + alpha_2 alpha_3 + ... (Leviathan et al.) from the
+               teacher-forced alpha_k of this mode, set beside the measured a
+
+Also (`teacher_forced`, in every record and the first line): on the same held-out text, the
+agreement of head k with head 1 and the per-position alpha_k greedy and sampled (mtp_jax.acceptance:
+what training's evals log; loops in free generation cannot flatter them).
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ import jax
 import numpy as np
 
 from mtp_jax.decoding import decode as decode_lib
+from mtp_jax import acceptance
 from mtp_jax import loss as loss_lib
+from mtp_jax import steps as steps_lib
 from experiments import common
 from mtp_jax.decoding import speed
 from mtp_jax.data import corpus, pipeline
@@ -72,16 +79,18 @@ def heldout_prompts(loaded, n: int, length: int, seed: int = 0) -> list[np.ndarr
   return out
 
 
-def teacher_forced_agreement(loaded, batches: int = 4) -> list[float]:
-  """Head k's argmax against head 1's greedy token at the same target, on validation text."""
+def teacher_forced(loaded, batches: int = 4) -> dict:
+  """On validation text: head k's argmax against head 1's at the same target ("agreement", per
+  head), and alpha_k greedy and sampled with the a they give (`acceptance.from_metrics`)."""
   it = pipeline.make_iterator(loaded.config, "validation", repeat=False)
-  fn = jax.jit(lambda p, b: loss_lib.model_loss(p, loaded.model, loaded.config, b)[1])
-  agree, weight = 0.0, 0.0
+  fn = jax.jit(steps_lib.make_eval_step(loaded.model, loaded.config))
+  sums = None
   for _, batch in zip(range(batches), it):
-    m = jax.device_get(fn(loaded.params, batch))
-    agree = agree + np.asarray(m["head_agree"]) * m["head_tokens"]
-    weight = weight + np.asarray(m["head_tokens"])
-  return (agree / np.maximum(weight, 1)).tolist()
+    part = jax.device_get(fn(loaded.params, batch))
+    sums = part if sums is None else jax.tree.map(np.add, sums, part)
+  m = loss_lib.summarise(sums, loss_lib.head_weights(loaded.config), 0.0)[1]
+  return {"agreement": np.asarray(m["head_agree"]).round(4).tolist(),
+          **acceptance.from_metrics(m)}
 
 
 def parse_variants(text: str, n_future: int) -> list[dict]:
@@ -132,6 +141,7 @@ def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None):
         "a": s.tokens_per_forward,
         "a_batch": g.forwards / s.forwards,  # what the slowest row allows the whole batch
         "acceptance_by_position": s.acceptance_by_position().tolist(),
+        "alpha_by_position": s.alpha_by_position().round(4).tolist(),
         "T1": T1, "Tc": s.seconds / s.forwards, "Tc_over_T1": s.seconds / s.forwards / T1,
         "S_measured": cmp["speedup"], "S_band": cmp["band"], "verdict": cmp["verdict"],
         "identical": (bool(np.array_equal(g.tokens, s.tokens)
@@ -178,16 +188,21 @@ def plots(records, png_dir, prefix="decode_"):
   import matplotlib.pyplot as plt
   greedy = [r for r in records if r.get("mode", "greedy") == "greedy"]
   os.makedirs(png_dir, exist_ok=True)
-  fig, ax = plt.subplots(figsize=(5, 3.5))
-  for r in greedy:
-    if r["batch"] == 1 and r["tree"] is None and len(r["acceptance_by_position"]) > 0:
-      pos = np.arange(2, len(r["acceptance_by_position"]) + 2)
-      ax.plot(pos, r["acceptance_by_position"], "o-",
-              label=f"{r['variant']}, prompt {r['prompt_len']}")
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+  for ax, mode in zip(axes, ("greedy", "sampled")):
+    for r in records:  # measured alpha_k (solid), teacher-forced (dashed), batch-1 chains
+      if r.get("mode", "greedy") != mode or r["batch"] != 1 or r["tree"] is not None:
+        continue
+      alpha = r.get("alpha_by_position") or acceptance.conditional(r["acceptance_by_position"])
+      pos = np.arange(2, len(alpha) + 2)
+      line, = ax.plot(pos, alpha, "o-", label=f"{r['variant']}, prompt {r['prompt_len']}")
+      tf = (r.get("teacher_forced") or {}).get(f"alpha_{mode}")
+      if tf:
+        ax.plot(pos, tf[:len(alpha)], "x--", color=line.get_color(), label="teacher-forced")
       ax.set_xticks(pos)
-  ax.set(xlabel="head (draft position)", ylabel="P(draft accepted)", ylim=(0, 1),
-         title="Acceptance by head, batch 1 (greedy)")
-  ax.legend(fontsize=7)
+    ax.set(xlabel="head (draft position)", ylabel="P(draft k accepted | drafts < k)",
+           ylim=(0, 1), title=f"alpha_k, batch 1 ({mode})")
+    ax.legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(os.path.join(png_dir, f"{prefix}acceptance.png"), dpi=120)
   plens = sorted({r["prompt_len"] for r in greedy})
@@ -241,12 +256,13 @@ def main():
     modes.append(dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=0))
   loaded = load_workdir(args.workdir)
   variants = parse_variants(args.variants, loaded.model.args.n_future)
-  agree = teacher_forced_agreement(loaded)
+  tf = teacher_forced(loaded)
   records = []
   print(f"step {loaded.step}, {loaded.model.args.head_kind} heads, "
         f"{args.max_new_tokens} new tokens per row, {args.reps} timed calls per variant after a "
         f"warm-up, {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}); "
-        f"teacher-forced agreement with head 1 by head: {np.round(agree, 3).tolist()}",
+        f"teacher-forced, heads 2..n: alpha greedy {tf['alpha_greedy']} (a <= "
+        f"{tf['a_bound_greedy']}), sampled {tf['alpha_sampled']} (a <= {tf['a_bound_sampled']})",
         flush=True)
   print("| mode | batch | prompt | variant | heads | tree | a | a (batch) | T1 ms | Tc ms | "
         "T1 fwd ms | Tk fwd ms | overhead ms | S measured (band) | S predicted | identical |")
@@ -260,13 +276,15 @@ def main():
                                              batch=batch, context=plen + args.max_new_tokens // 2,
                                              tree=r.pop("_tree"))
           r.update(batch=batch, prompt_len=plen, step=loaded.step,
-                   teacher_forced_agreement=agree, backend=jax.devices()[0].platform,
+                   teacher_forced=tf, backend=jax.devices()[0].platform,
                    load_average=os.getloadavg()[0],
                    forward_1_seconds=cost["forward_1"], forward_k_seconds=cost["forward_k"],
                    S_predicted=r["a_batch"] * cost["forward_1"] / cost["forward_k"],
                    cycle_overhead_seconds=r["Tc"] - cost["forward_k"],
                    plain_overhead_seconds=r["T1"] - cost["forward_1"])
           r["off_by"] = r["S_predicted"] / r["S_measured"] - 1
+          r["a_bound"] = (None if r["tree"] else  # the chain's first heads - 1 alphas
+                          acceptance.leviathan_a(tf[f"alpha_{r['mode']}"][:r["heads"] - 1]))
           if r["auto"]:  # what auto predicted when it chose, before decoding (pessimistic a)
             r["S_predicted_auto"] = r["auto"]["S_predicted"]
             r["off_by_auto"] = r["S_predicted_auto"] / r["S_measured"] - 1

@@ -64,7 +64,7 @@ def make_base(source: str, root: str):
 def evaluate(workdir: str, corpus_config, args) -> dict:
   loaded = load_workdir(workdir)
   loaded.config = corpus_config  # score every model on the same held-out corpus
-  agree = bench_decode.teacher_forced_agreement(loaded, batches=args.eval_batches)
+  agree = bench_decode.teacher_forced(loaded, batches=args.eval_batches)["agreement"]
   prompts = bench_decode.heldout_prompts(loaded, args.decode_batch, args.decode_prompt_len)
   r = bench_decode.run_case(loaded, prompts, loaded.model.args.n_future, args.decode_new_tokens)
   return {"step": loaded.step, "teacher_forced_agreement": agree, "a": r["a"],

@@ -148,7 +148,8 @@ def divergence(teacher_BxTxV, logits_BxTxV, objective: str, lse_BxT=None):
 def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT, vocab_size, dot=jax.lax.dot_general,
                  teacher_BxTxD=None, objective="ce"):
   """Summed NLL and summed lse^2 over the masked tokens, and the argmax, for one tile; with a
-  teacher's hidden states (stop-gradient) also the summed `divergence` from its distribution."""
+  teacher's hidden states (stop-gradient) also the summed `divergence` from its distribution
+  (under a draft objective) and the summed total variation (a metric: no gradient)."""
   logits_BxTxV = _logits(h_BxTxD, unembed_DxV, vocab_size, dot)
   lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
   tgt_logit_BxT = jnp.take_along_axis(logits_BxTxV, tgt_BxT[..., None], axis=-1)[..., 0]
@@ -159,7 +160,11 @@ def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT, vocab_size, dot=jax.la
   if teacher_BxTxD is None:
     return out
   teacher_BxTxV = _logits(teacher_BxTxD, jax.lax.stop_gradient(unembed_DxV), vocab_size, dot)
-  return *out, jnp.sum(divergence(teacher_BxTxV, logits_BxTxV, objective, lse_BxT) * m)
+  div = lambda kind: jnp.sum(divergence(teacher_BxTxV, logits_BxTxV, kind, lse_BxT) * m)
+  tv = div("tv")
+  if objective == "ce":
+    return *out, jax.lax.stop_gradient(tv)
+  return *out, (tv if objective == "tv" else div(objective)), jax.lax.stop_gradient(tv)
 
 
 def head_token_counts(tokens_BxS, segment_ids_BxS, n_future: int):
@@ -174,16 +179,26 @@ def _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS):
   correct_N = jnp.sum((pred_NxBxS == tgt_NxBxS) & mask_NxBxS, axis=(1, 2))
   # Draft-acceptance proxy: head k at t against head 1's greedy choice at t + k - 1 (the same
   # target position), over head k's valid positions.
+  # Greedy acceptance as a chain: draft k passes only if drafts 2..k-1 passed, so alpha_k =
+  # chain[k] / chain_prev[k], both counted over head k's positions.
   N = pred_NxBxS.shape[0]
-  agree = []
+  agree, chain, chain_prev = [], [], []
+  passed_BxS = jnp.ones(pred_NxBxS.shape[1:], bool)
   for k in range(N):
     head1_at_BxS = jnp.pad(pred_NxBxS[0][:, k:], ((0, 0), (0, k)))
-    agree.append(jnp.sum((pred_NxBxS[k] == head1_at_BxS) & mask_NxBxS[k]))
+    agree_BxS = pred_NxBxS[k] == head1_at_BxS
+    agree.append(jnp.sum(agree_BxS & mask_NxBxS[k]))
+    chain_prev.append(jnp.sum(passed_BxS & mask_NxBxS[k]))
+    passed_BxS = passed_BxS & agree_BxS
+    chain.append(jnp.sum(passed_BxS & mask_NxBxS[k]))
+  f32 = lambda xs: jnp.stack(xs).astype(jnp.float32)
   return {
       "nll": nll_N,
       "zsq": zsq_N,
       "correct": correct_N.astype(jnp.float32),
-      "agree": jnp.stack(agree).astype(jnp.float32),
+      "agree": f32(agree),
+      "chain": f32(chain),
+      "chain_prev": f32(chain_prev),
       "tokens": jnp.sum(mask_NxBxS, axis=(1, 2)).astype(jnp.float32),
   }
 
@@ -206,10 +221,14 @@ def summarise(sums, weights_N, z_loss: float):
       "head_loss": sums["nll"] / denom_N,
       "head_acc": sums["correct"] / denom_N,
       "head_agree": sums["agree"] / denom_N,
+      # P(draft k passes | drafts < k passed), greedy, teacher-forced (acceptance.py)
+      "head_alpha_greedy": sums["chain"] / jnp.maximum(sums["chain_prev"], 1.0),
       "head_tokens": sums["tokens"],
   }
   if "objective" in sums:  # what each head is trained on: head 1's NLL, the drafts' divergence
     metrics["head_objective"] = sums["objective"] / denom_N
+  if "tv" in sums:  # speculative sampling's acceptance, sum_x min(p, q) = 1 - TV(p, q)
+    metrics["head_alpha_sampled"] = 1.0 - sums["tv"] / denom_N
   return metrics["loss"], metrics
 
 
@@ -225,7 +244,7 @@ def mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
 
 def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunks: int = 1,
              vocab_size: int | None = None, frozen_heads: int = 0, dot=jax.lax.dot_general,
-             objective: str = "ce"):
+             objective: str = "ce", accept: bool = False):
   """Per-head sums (nll, zsq, correct, agree, tokens; each [N]) of the memory-lean loss. The
   first `frozen_heads` heads get no gradient (optim.trainable = "heads": head 1 depends on
   frozen params only), so their logits are never differentiated. `dot`: the logits' product
@@ -235,7 +254,9 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
   for head i >= 2 the summed `divergence` from head 1's distribution at position t + i - 1 (the
   same target position, x_{t+i}) to head i's at t. Head 1's hidden states go in stop-gradient
   and its teacher logits are recomputed inside head i's scan step, next to head i's own, so
-  logit memory stays O(V + d) in n."""
+  logit memory stays O(V + d) in n. With a teacher (a draft objective, or `accept`: eval steps)
+  sums["tv"] is head i's summed total variation from it (head 1: 0), the rejection rate of
+  speculative sampling, from which summarise gives head_alpha_sampled."""
   N, B, S, D = h_NxBxSxD.shape
   V = unembed_DxV.shape[1] if vocab_size is None else vocab_size
   if V < unembed_DxV.shape[1] and backends.current().real_vocab_only():
@@ -246,7 +267,7 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
   if S % C:
     raise ValueError(f"config.loss.token_chunks: must divide the sequence length {S}, got {C}")
   tgt_NxBxS, mask_NxBxS = targets_and_mask(tokens_BxS, segment_ids_BxS, N)
-  draft = objective != "ce" and N > 1
+  draft = (objective != "ce" or accept) and N > 1
   if draft:  # head i's teacher at t: head 1 at t + i - 1 (past the end: zeros, masked)
     h1_BxSxD = jnp.pad(jax.lax.stop_gradient(h_NxBxSxD[0]), ((0, 0), (0, N), (0, 0)))
 
@@ -260,17 +281,17 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
     if C == 1:
       return None, stats(h_BxSxD, tgt_BxS, mask_BxS, *teacher)
     split = lambda a: jnp.moveaxis(a.reshape(B, C, S // C, *a.shape[2:]), 1, 0)
-    _, (nll_C, zsq_C, pred_CxBxT, *div_C) = jax.lax.scan(
+    _, (nll_C, zsq_C, pred_CxBxT, *extra_C) = jax.lax.scan(
         jax.checkpoint(lambda _, t: (None, stats(*t)), policy=_SAVE_NOTHING), None,
         tuple(split(a) for a in (h_BxSxD, tgt_BxS, mask_BxS, *teacher)))
     return None, (nll_C.sum(), zsq_C.sum(), jnp.moveaxis(pred_CxBxT, 0, 1).reshape(B, S),
-                  *(d.sum() for d in div_C))
+                  *(d.sum() for d in extra_C))
 
   def scan(*xs):
     return jax.lax.scan(jax.checkpoint(head, policy=_SAVE_NOTHING), None, xs)[1]
 
   # Runs of heads scanned alike: the first F heads forward only (no backward pass through their
-  # logits); under a draft objective head 1 (no teacher) apart from heads 2..n.
+  # logits); with a teacher head 1 (none: its objective is its NLL, its tv 0) apart from 2..n.
   F = min(frozen_heads, N)
   cuts = sorted({0, F, N} | ({1} if draft else set()))
   parts = []
@@ -279,10 +300,14 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
     h = jax.lax.stop_gradient(part(h_NxBxSxD)) if hi <= F else part(h_NxBxSxD)
     teacher = (jnp.arange(lo, hi),) if draft and lo else ()
     out = scan(h, part(tgt_NxBxS), part(mask_NxBxS), *teacher)
-    parts.append((*out, out[0]) if draft and not lo else out)  # head 1's objective: its NLL
+    if draft and not lo:
+      out = (*out, *([out[0]] if objective != "ce" else []), jnp.zeros_like(out[0]))
+    parts.append(out)
   out = parts[0] if len(parts) == 1 else [jnp.concatenate(x) for x in zip(*parts)]
   sums = _head_sums(*out[:3], tgt_NxBxS, mask_NxBxS)
-  return dict(sums, objective=out[3]) if draft else sums
+  if not draft:
+    return sums
+  return dict(sums, tv=out[-1], **({"objective": out[3]} if objective != "ce" else {}))
 
 
 def naive_mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
@@ -293,7 +318,7 @@ def naive_mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_
 
 
 def naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *,
-                   vocab_size: int | None = None, objective: str = "ce"):
+                   vocab_size: int | None = None, objective: str = "ce", accept: bool = False):
   """`mtp_sums` with every head's logits at once (and the teachers': head 1's, shifted)."""
   N = h_NxBxSxD.shape[0]
   tgt_NxBxS, mask_NxBxS = targets_and_mask(tokens_BxS, segment_ids_BxS, N)
@@ -310,22 +335,24 @@ def naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *,
   zsq_N = jnp.sum(jnp.square(lse_NxBxS) * m, axis=(1, 2))
   pred_NxBxS = jnp.argmax(logits_NxBxSxV, axis=-1).astype(jnp.int32)
   sums = _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS)
-  if objective == "ce" or N == 1:
+  if (objective == "ce" and not accept) or N == 1:
     return sums
   head1_BxSxV = jax.lax.stop_gradient(logits_NxBxSxV[0])
-  div = [jnp.sum(divergence(jnp.roll(head1_BxSxV, -k, axis=1), logits_NxBxSxV[k], objective)
-                 * m[k]) for k in range(1, N)]
-  return dict(sums, objective=jnp.stack([nll_N[0], *div]))
+  div = lambda kind: [jnp.sum(divergence(jnp.roll(head1_BxSxV, -k, axis=1), logits_NxBxSxV[k],
+                                         kind) * m[k]) for k in range(1, N)]
+  sums = dict(sums, tv=jax.lax.stop_gradient(jnp.stack([jnp.zeros(()), *div("tv")])))
+  return sums if objective == "ce" else dict(sums, objective=jnp.stack([nll_N[0], *div(objective)]))
 
 
-def model_sums(params, model, config, batch, frozen_heads: int = 0):
+def model_sums(params, model, config, batch, frozen_heads: int = 0, accept: bool = False):
   """Forward the model and the per-head loss sums (`mtp_sums`) of a batch: what a train step
-  accumulates over micro-batches."""
+  accumulates over micro-batches (`accept`: with the sampled acceptance's sums, for evals)."""
   h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
   return mtp_sums(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
                   batch.get("segment_ids"), token_chunks=config.loss.token_chunks,
                   vocab_size=model.args.vocab_size, frozen_heads=frozen_heads,
-                  dot=layers.dot_general(model.args), objective=config.loss.draft_objective)
+                  dot=layers.dot_general(model.args), objective=config.loss.draft_objective,
+                  accept=accept)
 
 
 def model_loss(params, model, config, batch, *, naive: bool = False):

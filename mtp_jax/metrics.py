@@ -140,8 +140,13 @@ class MetricsWriter:
 
   @staticmethod
   def _eval_line(step, m) -> str:
-    return (f"eval step {step}: loss [{_fmt_heads(m['head_loss'])}] acc "
+    line = (f"eval step {step}: loss [{_fmt_heads(m['head_loss'])}] acc "
             f"[{_fmt_heads(m['head_acc'])}] agree [{_fmt_heads(m['head_agree'])}]")
+    for mode in ("greedy", "sampled"):  # heads 2..n (acceptance.py), with the a they give
+      if f"head_alpha_{mode}" in m and len(m[f"head_alpha_{mode}"]) > 1:
+        line += (f" alpha {mode} [{_fmt_heads(m[f'head_alpha_{mode}'][1:])}] a <= "
+                 f"{float(m[f'a_bound_{mode}']):.2f}")
+    return line
 
   def close(self):
     if self.primary:

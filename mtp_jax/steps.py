@@ -226,8 +226,10 @@ def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
 
 
 def make_eval_step(model: MTPModel, config):
+  """Pure (params, batch) -> the batch's per-head sums (`loss.mtp_sums`, with the sampled
+  acceptance's): they add up over batches, and `loss.summarise` of the total gives the metrics."""
   def eval_step(params, batch):
-    return loss_lib.model_loss(params, model, config, batch)[1]
+    return loss_lib.model_sums(params, model, config, batch, accept=True)
   return eval_step
 
 

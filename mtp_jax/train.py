@@ -28,8 +28,9 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mtp_jax import cli
+from mtp_jax import acceptance, cli
 from mtp_jax import flops as flops_lib
+from mtp_jax import loss as loss_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
 from mtp_jax import workdir as workdir_lib
@@ -100,21 +101,22 @@ def check_inputs(config: ml_collections.ConfigDict, workdir: str | None
 
 
 def validation_metrics(eval_step, params, config, batch_sharding) -> dict:
-  """Token-weighted mean of per-head loss / accuracy / agreement over the first
-  `train.eval_batches` validation batches (the same ones every time)."""
+  """Per-head loss / accuracy / agreement / acceptance (alpha_k, greedy and sampled) over the
+  first `train.eval_batches` validation batches (the same ones every time): their sums added,
+  then divided once (`loss.summarise`), so ratios weigh every token alike."""
   it = pipeline.make_iterator(config, "validation", repeat=False)
-  sums, total = None, None
+  sums = None
   for _, batch in zip(range(config.train.eval_batches), it):
-    m = jax.device_get(eval_step(params, shard_lib.shard_batch(batch, batch_sharding)))
-    w = np.asarray(m["head_tokens"])
-    part = {k: np.asarray(m[k]) * w for k in ("head_loss", "head_acc", "head_agree")}
-    sums = part if sums is None else {k: sums[k] + part[k] for k in part}
-    total = w if total is None else total + w
+    part = jax.device_get(eval_step(params, shard_lib.shard_batch(batch, batch_sharding)))
+    sums = part if sums is None else jax.tree.map(np.add, sums, part)
   if sums is None:
     logging.warning("validation split is empty: no eval")
     return {}
-  out = {k: v / np.maximum(total, 1) for k, v in sums.items()}
-  out["head_tokens"] = total
+  _, m = loss_lib.summarise(sums, loss_lib.head_weights(config), config.loss.z_loss)
+  out = {k: np.asarray(m[k]) for k in ("head_loss", "head_acc", "head_agree", "head_alpha_greedy",
+                                        "head_alpha_sampled", "head_tokens") if k in m}
+  acc = acceptance.from_metrics(out)
+  out.update({k: v for k, v in acc.items() if k.startswith("a_bound")})
   return out
 
 
@@ -265,6 +267,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       **writer.last["eval"],
   }
   trained = step > start
+  if primary and trained:  # alpha_k over the run's evals, where there are two or more
+    acceptance.plot_run(workdir, min_evals=2)
   if not trained:
     say(f"nothing to train: already at step {step} (this run ends at {end}); summary.json "
         "keeps the figures of the steps that were trained")

@@ -70,6 +70,11 @@ def test_cli_writes_well_formed_results(workdir, tmp_path):
   assert d["vs_greedy"]["identical"] is True and d["vs_greedy"]["speedup"] > 0
   assert d["vs_greedy"]["verdict"] in ("faster", "slower", "about the same")
   assert len(d["vs_greedy"]["speculative_seconds"]) == 3  # timed 3 times after a warm-up
+  # alpha_2 measured on the problems' rows: the tokens per cycle it gives is at least a's
+  # (a cycle cut by EOS or the budget gains fewer tokens than it accepted drafts)
+  (alpha,), tf = d["alpha_by_position"], d["teacher_forced"]
+  assert 0.0 <= alpha <= 1.0 and 1.0 + alpha >= d["tokens_per_forward"] - 1e-6
+  assert set(tf) == {"alpha_greedy", "a_bound_greedy", "alpha_sampled", "a_bound_sampled"}
 
 
 @pytest.mark.slow

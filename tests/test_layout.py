@@ -224,7 +224,8 @@ LAYERS = [
     ("backends", ["mtp_jax.backends"]),
     ("layers", ["mtp_jax.attention", "mtp_jax.layers"]),
     ("heads", ["mtp_jax.heads", "mtp_jax.flops"]),
-    ("model", ["mtp_jax.model", "mtp_jax.loss", "mtp_jax.optimizer", "mtp_jax.steps"]),
+    ("model", ["mtp_jax.model", "mtp_jax.loss", "mtp_jax.optimizer", "mtp_jax.steps",
+               "mtp_jax.acceptance"]),
     ("data", ["mtp_jax.data"]),
     ("validation", ["mtp_jax.config.validation"]),  # asks the head and corpus registries
     ("runs", ["mtp_jax.workdir", "mtp_jax.metrics", "mtp_jax.aot"]),

@@ -12,8 +12,8 @@ slot propose the next drafts (rollback by length). k = 1 is plain decoding (docs
 The loop is one jit (`decode_loop.decode_chain`, per-row lengths and EOS); `Decoder` compiles it
 for one batch shape. Trees (`tree=`, static or dynamic, greedy or sampled):
 `mtp_jax.decoding.tree`. k="auto" / tree="auto": `Session.choose`, by the cost model
-(`mtp_jax.decoding.costmodel`), decided once per shape and kept on the `Session` (bounded).
-Errors name the parameter (`k: ...`), the CLIs their flags. Sequential heads: a chain."""
+(`mtp_jax.decoding.costmodel`), once per shape, kept on the `Session` (bounded). Errors name
+the parameter (`k: ...`), the CLIs their flags."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import backends, heads
+from mtp_jax import acceptance, backends, heads
 from mtp_jax.decoding import costmodel
 from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.decoding import tree as tree_lib
@@ -39,8 +39,7 @@ log = logging.getLogger(__name__)
 
 def check_heads(args: ModelArgs, k: int) -> None:
   if not 1 <= k <= args.n_future:
-    raise ValueError(f"k: must be between 1 and the model's n_future ({args.n_future}), "
-                     f"got {k}")
+    raise ValueError(f"k: must be between 1 and the model's n_future ({args.n_future}), got {k}")
 
 
 def slice_heads(params, args: ModelArgs, k: int):
@@ -73,6 +72,10 @@ class DecodeResult:
     """P(draft j accepted), j = 1..k-1: the chance that at least j drafts pass in a cycle."""
     h = self.accepted_hist
     return np.asarray([h[j:].sum() / max(h.sum(), 1) for j in range(1, len(h))])
+
+  def alpha_by_position(self) -> np.ndarray:
+    """alpha_j = P(draft j accepted | drafts < j accepted), j = 1..k-1 (mtp_jax.acceptance)."""
+    return acceptance.conditional(self.acceptance_by_position())
 
 
 class Decoder:
@@ -116,17 +119,15 @@ class Decoder:
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     options = (backends.current().decode_compiler_options(batch) if compiler_options == "auto"
                else compiler_options)
+    common = (self.params, i32(batch, prompt_len), i32(batch), i32(), i32(),
+              sampling_lib.Settings(f32, i32(), f32), i32(), i32())
     if tree is None:
-      self._compiled = decode_chain.lower(
-          self.params, i32(batch, prompt_len), i32(batch), i32(), i32(),
-          sampling_lib.Settings(f32, i32(), f32), i32(), i32(), self.stops, args=self.args,
-          max_new_tokens=max_new_tokens, sample=sampling).compile(compiler_options=options)
+      lowered = decode_chain.lower(*common, self.stops, args=self.args,
+                                   max_new_tokens=max_new_tokens, sample=sampling)
     else:
-      self._compiled = tree_lib.decode_tree.lower(
-          self.params, i32(batch, prompt_len), i32(batch), i32(), i32(),
-          sampling_lib.Settings(f32, i32(), f32), i32(), i32(), args=self.args,
-          max_new_tokens=max_new_tokens, tree=tree, sample=sampling).compile(
-              compiler_options=options)
+      lowered = tree_lib.decode_tree.lower(*common, args=self.args, max_new_tokens=max_new_tokens,
+                                           tree=tree, sample=sampling)
+    self._compiled = lowered.compile(compiler_options=options)
     self.compile_seconds = time.perf_counter() - t0
 
   def __call__(self, prompts: list, *, eos_id: int, pad_id: int, temperature: float = 0.0,
@@ -387,8 +388,7 @@ def decode(params, args: ModelArgs, prompts: list, **kw) -> DecodeResult:
 
 
 def plain(params, args: ModelArgs, prompts: list, **kw) -> DecodeResult:
-  """Plain autoregressive decoding with head 1 only, the baseline: greedy at temperature 0,
-  plain sampling at temperature > 0 (no drafts: k = 1)."""
+  """Plain decoding with head 1 alone (k = 1), the baseline: greedy, or sampled (temperature)."""
   return decode(params, args, prompts, k=1, **kw)
 
 

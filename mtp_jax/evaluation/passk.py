@@ -32,7 +32,7 @@ import time
 import numpy as np
 from absl import flags, logging
 
-from mtp_jax import cli
+from mtp_jax import acceptance, cli
 from mtp_jax import sharding as shard_lib
 from mtp_jax.evaluation import code_tasks
 from mtp_jax.decoding import sampling
@@ -51,6 +51,7 @@ class Generation:
   compile_seconds: float = 0.0
   tokens_total: int = 0
   cycles_total: int = 0
+  accepted_hist: object = None  # [k] cycles that accepted 0..k-1 drafts, the prompts' rows only
   first_batch: object = None  # DecodeResult of batch 0, for the greedy comparison
 
 
@@ -69,6 +70,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
   row ends once its cut is decided (decode's in-loop matching, for the byte tokenizer): the
   completion after the cut is the same as if it had decoded max_new_tokens."""
   from mtp_jax.decoding import decode as decode_lib
+  from mtp_jax.decoding import tree as tree_lib
   args = loaded.model.args
   tok = loaded.tokenizer
   k, tree = (heads, tree) if mode == "speculative" else (1, None)
@@ -97,6 +99,12 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
     gen.compile_seconds += getattr(r, "compile_seconds", 0.0)
     gen.tokens_total += int(r.lengths[:n].sum())
     gen.cycles_total += int(r.cycles[:n].sum())
+    if getattr(r, "rows_hist", None) is not None and getattr(r, "heads", 1) > 1:
+      h = r.rows_hist[:n].sum(0)
+      if len(h) != r.heads:  # a static tree's rows count by deepest node: by its depth
+        h = np.bincount(tree_lib.parse(r.tree).tables.depth, weights=h, minlength=r.heads)
+      gen.accepted_hist = h if gen.accepted_hist is None or len(gen.accepted_hist) != len(h) \
+          else gen.accepted_hist + h
     if b == 0:
       gen.first_batch = (batch, r, n, getattr(r, "heads", k), dict(sample_kw))
     if on_batch is not None:
@@ -192,6 +200,10 @@ def run(opts: dict, out=None) -> dict:
     decoding["tokens_per_forward"] = (gen.tokens_total - len(problems) * S) / max(
         gen.cycles_total, 1)
     decoding["heads"] = gen.first_batch[3]
+    if gen.accepted_hist is not None:  # measured; teacher-forced from the run's own evals
+      decoding["alpha_by_position"] = acceptance.from_hist(gen.accepted_hist)
+      decoding["teacher_forced"] = acceptance.from_summary(
+          workdir_lib.read_summary(opts["workdir"]) or {})
     if gen.first_batch[3] > 1:  # k = 1 (auto's choice where speculation loses) is plain
       decoding["vs_greedy"] = greedy_comparison(loaded, gen, opts["max_new_tokens"])
   step = getattr(loaded, "step", None)
@@ -206,6 +218,12 @@ def run(opts: dict, out=None) -> dict:
                f"{decoding['compile_seconds']:.1f}s)")
   if "tokens_per_forward" in decoding:
     lines[-1] += f", a = {decoding['tokens_per_forward']:.2f} tokens/forward"
+  if "alpha_by_position" in decoding:
+    tf = decoding["teacher_forced"]
+    mode = "sampled" if opts["temperature"] > 0 else "greedy"
+    lines.append(f"alpha_k measured {decoding['alpha_by_position']}"
+                 + (f"; teacher-forced {tf[f'alpha_{mode}']} (a <= {tf[f'a_bound_{mode}']})"
+                    if f"alpha_{mode}" in tf else ""))
   if "vs_greedy" in decoding:
     v = decoding["vs_greedy"]
     lines.append(f"heads {v['heads']}{', tree ' + v['tree'] if v['tree'] else ''}, on the "

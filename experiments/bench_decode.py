@@ -162,7 +162,9 @@ def calibration(records) -> dict:
   """The cost model against the clock over the grid, per mode: off_by (S predicted from the
   measured a over S measured, - 1) as median and largest |off_by|; for auto, what it predicted
   when it chose (off_by_auto), and its cells: S measured, the noise band, and whether S >= 0.97
-  or the band reaches 1 ("holds": auto lost nothing beyond the noise)."""
+  or the band reaches 1 ("holds": auto lost nothing beyond the noise). A cell where auto chose
+  plain decoding ran plain decoding's own program: it holds whatever the clock said
+  ("plain": its S is plain against plain, the machine's noise)."""
   out = {}
   for mode in dict.fromkeys(r["mode"] for r in records):
     rs = [r for r in records if r["mode"] == mode]
@@ -175,7 +177,9 @@ def calibration(records) -> dict:
                   + (f" tree {r['tree']}" if r["tree"] else ""),
                   "S_measured": r["S_measured"], "S_band": r["S_band"],
                   "S_predicted_auto": r["S_predicted_auto"], "off_by_auto": r["off_by_auto"],
-                  "holds": bool(r["S_measured"] >= 0.97 or r["S_band"][1] >= 1.0)}
+                  "plain": r["heads"] == 1,
+                  "holds": bool(r["heads"] == 1 or r["S_measured"] >= 0.97
+                                or r["S_band"][1] >= 1.0)}
                  for r in autos]}
     if autos:
       out[mode]["auto_holds"] = all(a["holds"] for a in out[mode]["auto"])
@@ -194,6 +198,8 @@ def plots(records, png_dir, prefix="decode_"):
       if r.get("mode", "greedy") != mode or r["batch"] != 1 or r["tree"] is not None:
         continue
       alpha = r.get("alpha_by_position") or acceptance.conditional(r["acceptance_by_position"])
+      if len(alpha) == 0:  # plain decoding (auto's choice): no drafts
+        continue
       pos = np.arange(2, len(alpha) + 2)
       line, = ax.plot(pos, alpha, "o-", label=f"{r['variant']}, prompt {r['prompt_len']}")
       tf = (r.get("teacher_forced") or {}).get(f"alpha_{mode}")

@@ -270,9 +270,9 @@ def main():
         f"teacher-forced, heads 2..n: alpha greedy {tf['alpha_greedy']} (a <= "
         f"{tf['a_bound_greedy']}), sampled {tf['alpha_sampled']} (a <= {tf['a_bound_sampled']})",
         flush=True)
-  print("| mode | batch | prompt | variant | heads | tree | a | a (batch) | T1 ms | Tc ms | "
+  print("| mode | batch | prompt | variant | heads | tree | a | a bound | a (batch) | T1 ms | Tc ms | "
         "T1 fwd ms | Tk fwd ms | overhead ms | S measured (band) | S predicted | identical |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for plen in [int(x) for x in args.prompt_lens.split(",")]:
     for batch in [int(x) for x in args.batches.split(",")]:
       prompts = heldout_prompts(loaded, batch, plen)
@@ -297,7 +297,9 @@ def main():
           records.append(r)
           lo, hi = r["S_band"]
           print(f"| {r['mode']} | {batch} | {plen} | {r['variant']} | {r['heads']} | "
-                f"{r['tree'] or '-'} | {r['a']:.2f} | {r['a_batch']:.2f} | "
+                f"{r['tree'] or '-'} | {r['a']:.2f} | "
+                f"{'-' if r['a_bound'] is None else format(r['a_bound'], '.2f')} | "
+                f"{r['a_batch']:.2f} | "
                 f"{1e3 * r['T1']:.1f} | {1e3 * r['Tc']:.1f} | {1e3 * cost['forward_1']:.1f} | "
                 f"{1e3 * cost['forward_k']:.1f} | {1e3 * r['cycle_overhead_seconds']:.1f} | "
                 f"{r['S_measured']:.2f} ({lo:.2f}-{hi:.2f}) | {r['S_predicted']:.2f} | "

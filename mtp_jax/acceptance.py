@@ -68,7 +68,7 @@ def from_metrics(metrics: dict) -> dict:
 
 
 def from_summary(summary: dict, prefix: str = "eval/") -> dict:
-  """`from_metrics` of a flat record (summary.json, a metrics.jsonl line: eval/head2_alpha_greedy)."""
+  """`from_metrics` of a flat record (summary.json, a metrics.jsonl line): eval/head2_alpha_..."""
   out = {}
   for mode in MODES:
     alphas, k = [], 2

@@ -271,7 +271,8 @@ def main():
         f"{tf['a_bound_greedy']}), sampled {tf['alpha_sampled']} (a <= {tf['a_bound_sampled']})",
         flush=True)
   print("| mode | batch | prompt | variant | heads | tree | a | a bound | a (batch) | T1 ms | "
-        "Tc ms | T1 fwd ms | Tk fwd ms | overhead ms | S measured (band) | S predicted | identical |")
+        "Tc ms | T1 fwd ms | Tk fwd ms | overhead ms | S measured (band) | S predicted | "
+        "identical |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for plen in [int(x) for x in args.prompt_lens.split(",")]:
     for batch in [int(x) for x in args.batches.split(",")]:

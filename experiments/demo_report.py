@@ -4,8 +4,9 @@ files the demo wrote (nothing is recomputed here).
     python experiments/demo_report.py --workdir runs/demo --decode_json runs/demo/decode.json
 
 - held-out loss and accuracy per head (summary.json, the last eval on the validation split);
-- teacher-forced acceptance: how often head k's argmax equals head 1's on held-out text, the
-  draft acceptance rate that free generation's loops cannot flatter;
+- teacher-forced acceptance alpha_k on held-out text, greedy and sampled (mtp_jax.acceptance:
+  P(draft k accepted | drafts < k accepted)), and the tokens per cycle they give, what free
+  generation's loops cannot flatter (older runs: head k's agreement with head 1);
 - decoding on held-out windows (experiments/bench_decode.py's JSON), per variant (a chain of
   all heads, a tree, the cost model's own choice of k): tokens per forward a, the speed-up S
   measured against plain decoding (medians of timed calls after a warm-up each, with the noise
@@ -50,8 +51,15 @@ def report(summary: dict, rows: list[dict], aot: dict | None = None) -> str:
   if loss:
     lines.append(f"held-out loss per head (nats/token): {_fmt(loss)}")
     lines.append(f"held-out accuracy per head:          {_fmt(acc)}")
-    lines.append(f"teacher-forced acceptance, heads 2-{len(agree)} (argmax equals head 1's): "
-                 f"{_fmt(agree[1:])}")
+    alpha = {m: _heads(summary, f"alpha_{m}")[1:] for m in ("greedy", "sampled")}
+    if alpha["greedy"]:
+      for m in ("greedy", "sampled"):
+        lines.append(f"teacher-forced alpha_k {m}, heads 2-{len(agree)} (P(draft k accepted | "
+                     f"drafts < k)): {_fmt(alpha[m])}; tokens per cycle they give "
+                     f"{summary[f'eval/a_bound_{m}']:.2f}")
+    else:
+      lines.append(f"teacher-forced acceptance, heads 2-{len(agree)} (argmax equals head 1's): "
+                   f"{_fmt(agree[1:])}")
   for r in rows:
     name = "greedy" if r["mode"] == "greedy" else (
         f"sampled (temperature {r['sampling']['temperature']}, top_p {r['sampling']['top_p']})")
@@ -63,8 +71,9 @@ def report(summary: dict, rows: list[dict], aot: dict | None = None) -> str:
     t1, tk = r["forward_1_seconds"], r["forward_k_seconds"]
     lines.append(f"== {name} decoding, {what}, batch {r['batch']}, held-out prompts of "
                  f"{r['prompt_len']} tokens, {r['tokens_per_row']} new tokens each ==")
-    lines.append(f"tokens per forward a = {r['a']:.2f} (acceptance by draft position "
-                 f"{_fmt(r['acceptance_by_position'], 2)})"
+    by_pos = (f"alpha_k measured {_fmt(r['alpha_by_position'], 2)}" if "alpha_by_position" in r
+              else f"acceptance by draft position {_fmt(r['acceptance_by_position'], 2)}")
+    lines.append(f"tokens per forward a = {r['a']:.2f} ({by_pos})"
                  + ("; identical to greedy: " + str(r["identical"]) if r["identical"] is not None
                     else ""))
     if r["heads"] > 1:

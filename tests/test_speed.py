@@ -63,3 +63,19 @@ def test_demo_report_ends_on_where_speculation_pays():
   assert "TPU v5 lite (XLA:TPU's compile-time estimate, not a measurement)" in text
   none = demo_report.report(summary, [record(1.0, [0.9, 1.1], "auto", 1)])
   assert none.splitlines()[-1].startswith("== where speculation pays: auto kept plain")
+
+
+def test_demo_report_shows_alpha_k_teacher_forced_and_measured():
+  summary = {"step": 400, "n_params": 1, "n_future": 3, "head_kind": "parallel",
+             "eval/head1_loss": 1.0, "eval/head2_loss": 2.0, "eval/head3_loss": 2.5,
+             "eval/head1_acc": 0.6, "eval/head2_acc": 0.5, "eval/head3_acc": 0.4,
+             "eval/head1_agree": 1.0, "eval/head2_agree": 0.6, "eval/head3_agree": 0.5,
+             "eval/head1_alpha_greedy": 1.0, "eval/head2_alpha_greedy": 0.6,
+             "eval/head3_alpha_greedy": 0.5, "eval/head1_alpha_sampled": 1.0,
+             "eval/head2_alpha_sampled": 0.7, "eval/head3_alpha_sampled": 0.4,
+             "eval/a_bound_greedy": 1.9, "eval/a_bound_sampled": 1.98}
+  text = demo_report.report(summary, [dict(record(0.9, [0.8, 0.95]), alpha_by_position=[0.5])])
+  assert ("teacher-forced alpha_k greedy, heads 2-3 (P(draft k accepted | drafts < k)): "
+          "0.600  0.500; tokens per cycle they give 1.90") in text
+  assert "sampled, heads 2-3 (P(draft k accepted | drafts < k)): 0.700  0.400" in text
+  assert "tokens per forward a = 2.50 (alpha_k measured 0.50)" in text

@@ -9,7 +9,8 @@ Per program: the compiled chain:k greedy loop (`decode.Decoder`), called with ma
 36 on random prompts, EOS ignored; the cycle's time is the difference / 32 (prefill and call
 overhead cancel). Rounds interleave the programs (rotated order); the record gives each
 program's median cycle, the median of same-round ratios new / old and its quartiles (the noise
-band), and whether both gave the same tokens. Random params unless --workdir (for the timing a
+band), whether both gave the same tokens, and XLA's FLOP count of one k-token cached forward of
+each (`forward_flops`, exact). Random params unless --workdir (for the timing a
 trained model is not needed: the cycle count is fixed by max_cycles).
 """
 
@@ -66,6 +67,14 @@ def cycle_seconds(dec, prompts, pad_id: int) -> float:
   return (t[1] - t[0]) / (CYCLES[1] - CYCLES[0])
 
 
+def forward_flops(params, args, k: int, batch: int, context: int) -> float:
+  """XLA's FLOP count of one cached k-token forward (`costmodel.forward_program`: the loop body,
+  counted once), heads 2..k as `args`' kind reads them: exact, where the clock is noisy."""
+  from mtp_jax.decoding import costmodel
+  f, p, cache = costmodel.forward_program(params, args, costmodel.chain(k), batch, context)
+  return float(f.lower(p, cache, 1).compile().cost_analysis()["flops"])
+
+
 def main(argv=None):
   from experiments import common
   from mtp_jax.config import validation
@@ -94,6 +103,8 @@ def main(argv=None):
   with every_token(args) as ref_args:
     decs["every_token"] = decode_lib.Decoder(params, ref_args, **kw)
     toks = {n: d(prompts, eos_id=-1, pad_id=pad).tokens for n, d in decs.items()}  # warm-up
+    flops = {n: forward_flops(params, x, a.k, a.batch, a.prompt_len)
+             for n, x in (("slot", args), ("every_token", ref_args))}
     names = list(decs)
     sec = {n: [] for n in names}
     for r in range(a.rounds):
@@ -106,7 +117,10 @@ def main(argv=None):
          # new cycle / old cycle, same round: median and quartiles (the noise band)
          "cycle_ratio_median": round(1 / speed, 3),
          "cycle_ratio_quartiles": sorted(round(1 / x, 3) for x in band),
-         "tokens_equal": bool(np.array_equal(toks["slot"], toks["every_token"]))}
+         "tokens_equal": bool(np.array_equal(toks["slot"], toks["every_token"])),
+         # the k-token forward's FLOPs (XLA's count), new / old: what the cycle saves in work
+         "forward_flops": flops,
+         "forward_flops_ratio": round(flops["slot"] / flops["every_token"], 3)}
   common.emit(rec, a.json)
 
 

@@ -253,6 +253,11 @@ def test_parallel_slot_cycle_equals_every_token_cycle(trained):
   with every_token(args) as ref_args:
     assert unrolled(params, ref_args)[1].parallel_stack == "vmap"
     old = [decode_lib.decode(params, ref_args, RAGGED, **kw, **r) for r in runs]
+    # the k-token forward the cost model times (costmodel.forward_program) is the slot one:
+    # fewer FLOPs (XLA's exact count) than every head block over every window token
+    from experiments.parallel_cycle import forward_flops
+    slot, every = (forward_flops(params, a, 4, 2, 8) for a in (args, ref_args))
+    assert slot < 0.9 * every, (slot, every)
   for r, n, o in zip(runs, new, old):
     assert_same(o, n)
     np.testing.assert_array_equal(o.rows_hist, n.rows_hist, err_msg=str(r))

@@ -92,6 +92,15 @@ def forward_seconds(params, args: ModelArgs, k: int, *, batch: int, context: int
 
 def _forward_fn(params, args, tree: Tree, batch, context):
   """n -> runs `tree`'s cached forward n times in one compiled loop and waits for it."""
+  f, p, cache = forward_program(params, args, tree, batch, context)
+  jax.block_until_ready(f(p, cache, LOOP_COUNTS[-1]))
+  return lambda n: jax.block_until_ready(f(p, cache, n))
+
+
+def forward_program(params, args, tree: Tree, batch, context):
+  """(jitted (params, cache, n) -> n runs of `tree`'s cached forward in a loop, params, cache):
+  what `forward_times` times; its compiled cost analysis counts the loop body, one forward,
+  once (experiments/parallel_cycle.py reads its FLOPs)."""
   k = tree.k
   p, a = unrolled(heads.slice_params(params, heads.KINDS[args.head_kind], k),
                   dataclasses.replace(args, n_future=k))
@@ -130,9 +139,7 @@ def _forward_fn(params, args, tree: Tree, batch, context):
     w_DxV = unembedding(p, a)[:, :a.vocab_size]
     return jax.lax.fori_loop(0, n, lambda _, x: body(p, w_DxV, x), (toks, c))[0]
 
-  f = jax.jit(run)
-  jax.block_until_ready(f(p, cache, LOOP_COUNTS[-1]))
-  return lambda n: jax.block_until_ready(f(p, cache, n))
+  return jax.jit(run), p, cache
 
 
 def chain(k: int) -> Tree:

@@ -96,11 +96,11 @@ def plot_run(workdir: str, metrics_file: str = "metrics.jsonl", min_evals: int =
           rows.append((r["step"], acc))
   if not rows or len(rows) < min_evals:
     return None
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  # matplotlib's object API, no pyplot: a notebook that trains in its kernel keeps its backend
+  from matplotlib.figure import Figure
   steps = [s for s, _ in rows]
-  fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
+  fig = Figure(figsize=(10, 3.6))
+  ax, bx = fig.subplots(1, 2)
   for mode, style in zip(MODES, ("-", "--")):
     if f"alpha_{mode}" not in rows[-1][1]:
       continue
@@ -118,7 +118,6 @@ def plot_run(workdir: str, metrics_file: str = "metrics.jsonl", min_evals: int =
   fig.tight_layout()
   out = os.path.join(workdir, PNG)
   fig.savefig(out, dpi=90)
-  plt.close(fig)
   return out
 
 

@@ -54,12 +54,11 @@ import jax
 import numpy as np
 
 from mtp_jax.decoding import decode as decode_lib
-from mtp_jax import acceptance
-from mtp_jax import loss as loss_lib
+from mtp_jax import acceptance, train
 from mtp_jax import steps as steps_lib
 from experiments import common
 from mtp_jax.decoding import speed
-from mtp_jax.data import corpus, pipeline
+from mtp_jax.data import corpus
 from mtp_jax.workdir import load_workdir
 
 
@@ -80,15 +79,10 @@ def heldout_prompts(loaded, n: int, length: int, seed: int = 0) -> list[np.ndarr
 
 
 def teacher_forced(loaded, batches: int = 4) -> dict:
-  """On validation text: head k's argmax against head 1's at the same target ("agreement", per
-  head), and alpha_k greedy and sampled with the a they give (`acceptance.from_metrics`)."""
-  it = pipeline.make_iterator(loaded.config, "validation", repeat=False)
-  fn = jax.jit(steps_lib.make_eval_step(loaded.model, loaded.config))
-  sums = None
-  for _, batch in zip(range(batches), it):
-    part = jax.device_get(fn(loaded.params, batch))
-    sums = part if sums is None else jax.tree.map(np.add, sums, part)
-  m = loss_lib.summarise(sums, loss_lib.head_weights(loaded.config), 0.0)[1]
+  """On validation text (`train.validation_metrics`): head k's argmax against head 1's at the
+  same target ("agreement", per head), and alpha_k greedy and sampled with the a they give."""
+  m = train.validation_metrics(jax.jit(steps_lib.make_eval_step(loaded.model, loaded.config)),
+                               loaded.params, loaded.config, None, batches=batches)
   return {"agreement": np.asarray(m["head_agree"]).round(4).tolist(),
           **acceptance.from_metrics(m)}
 

@@ -100,13 +100,15 @@ def check_inputs(config: ml_collections.ConfigDict, workdir: str | None
   return config
 
 
-def validation_metrics(eval_step, params, config, batch_sharding) -> dict:
+def validation_metrics(eval_step, params, config, batch_sharding,
+                       batches: int | None = None) -> dict:
   """Per-head loss / accuracy / agreement / acceptance (alpha_k, greedy and sampled) over the
-  first `train.eval_batches` validation batches (the same ones every time): their sums added,
-  then divided once (`loss.summarise`), so ratios weigh every token alike."""
+  first `batches` (default `train.eval_batches`) validation batches (the same ones every time):
+  their sums added, then divided once (`loss.summarise`), so ratios weigh every token alike.
+  `batch_sharding` None: one process's default device."""
   it = pipeline.make_iterator(config, "validation", repeat=False)
   sums = None
-  for _, batch in zip(range(config.train.eval_batches), it):
+  for _, batch in zip(range(config.train.eval_batches if batches is None else batches), it):
     part = jax.device_get(eval_step(params, shard_lib.shard_batch(batch, batch_sharding)))
     sums = part if sums is None else jax.tree.map(np.add, sums, part)
   if sums is None:

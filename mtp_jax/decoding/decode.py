@@ -159,9 +159,7 @@ class Decoder:
       out = jax.device_get(self._compiled(*ids, sp, np.int32(seed), cap))
     seconds = time.perf_counter() - t0
     tokens, n_out, cycles, rows_hist, forwards = map(np.asarray, out)
-    hist = rows_hist.sum(0)
-    if isinstance(self.tree, tree_lib.Tree):  # by deepest node -> by drafts accepted (its depth)
-      hist = np.bincount(self.tree.tables.depth, weights=hist, minlength=self.k).astype(np.int64)
+    hist = tree_lib.by_depth(rows_hist.sum(0), self.tree, self.k)  # by drafts accepted
     return DecodeResult(tokens=tokens, lengths=n_out, cycles=cycles, accepted_hist=hist,
                         forwards=int(forwards), seconds=seconds,
                         compile_seconds=self.compile_seconds, heads=self.k,

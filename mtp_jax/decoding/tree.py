@@ -181,6 +181,14 @@ def is_tree(tree) -> bool:
   return isinstance(tree, Dynamic) or (isinstance(tree, Tree) and max(tree.spec, default=1) > 1)
 
 
+def by_depth(hist_N, tree, k: int) -> np.ndarray:
+  """Cycles counted by the deepest accepted node of a static `tree` -> by drafts accepted (that
+  node's depth), [k]; a chain's or a dynamic tree's counts (tree None or Dynamic) are so already."""
+  if isinstance(tree, Tree):
+    return np.bincount(tree.tables.depth, weights=hist_N, minlength=k).astype(np.int64)
+  return np.asarray(hist_N)
+
+
 def _parse_dynamic(spec: str, n_future: int | None) -> Dynamic:
   _, _, n = spec.partition(":")
   if not (n.isdigit() and 2 <= int(n) <= MAX_NODES):

@@ -100,9 +100,7 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
     gen.tokens_total += int(r.lengths[:n].sum())
     gen.cycles_total += int(r.cycles[:n].sum())
     if getattr(r, "rows_hist", None) is not None and getattr(r, "heads", 1) > 1:
-      h = r.rows_hist[:n].sum(0)
-      if len(h) != r.heads:  # a static tree's rows count by deepest node: by its depth
-        h = np.bincount(tree_lib.parse(r.tree).tables.depth, weights=h, minlength=r.heads)
+      h = tree_lib.by_depth(r.rows_hist[:n].sum(0), r.tree and tree_lib.parse(r.tree), r.heads)
       gen.accepted_hist = h if gen.accepted_hist is None or len(gen.accepted_hist) != len(h) \
           else gen.accepted_hist + h
     if b == 0:

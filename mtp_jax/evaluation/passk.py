@@ -51,7 +51,8 @@ class Generation:
   compile_seconds: float = 0.0
   tokens_total: int = 0
   cycles_total: int = 0
-  accepted_hist: object = None  # [k] cycles that accepted 0..k-1 drafts, the prompts' rows only
+  accepted_hist: object = None  # [k] cycles that accepted 0..k-1 drafts, the prompts' rows only,
+  # over the batches decoded with the first batch's k
   first_batch: object = None  # DecodeResult of batch 0, for the greedy comparison
 
 
@@ -101,8 +102,10 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
     gen.cycles_total += int(r.cycles[:n].sum())
     if getattr(r, "rows_hist", None) is not None and getattr(r, "heads", 1) > 1:
       h = tree_lib.by_depth(r.rows_hist[:n].sum(0), r.tree and tree_lib.parse(r.tree), r.heads)
-      gen.accepted_hist = h if gen.accepted_hist is None or len(gen.accepted_hist) != len(h) \
-          else gen.accepted_hist + h
+      if gen.accepted_hist is None:
+        gen.accepted_hist = h
+      elif len(h) == len(gen.accepted_hist):  # a batch whose k (auto, per shape) differs from
+        gen.accepted_hist = gen.accepted_hist + h  # the first's (decoding["heads"]) is left out
     if b == 0:
       gen.first_batch = (batch, r, n, getattr(r, "heads", k), dict(sample_kw))
     if on_batch is not None:

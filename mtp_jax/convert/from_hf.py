@@ -43,13 +43,6 @@ from mtp_jax.model import build_model
 INIT_HEADS = ("copy", "random")
 
 
-def hf_config(ckpt: str, n_future: int, heads: str, max_len: int) -> ml_collections.ConfigDict:
-  """The config of `ckpt` (its config.json) with `n_future` heads of kind `heads`, before
-  `prepare_config` (tokenizer, validation)."""
-  hf = read_json(os.path.join(ckpt, "config.json"), "config.json")
-  return config_from_hf(hf, n_future, heads, max_len)
-
-
 def config_from_hf(hf: dict, n_future: int, heads: str, max_len: int = 0
                    ) -> ml_collections.ConfigDict:
   """base_config() with the model of config.json `hf` and `n_future` heads of kind `heads`."""
@@ -90,6 +83,11 @@ def new_heads(config: ml_collections.ConfigDict, params: dict, init_heads: str) 
   return out
 
 
+def check_init_heads(init_heads: str) -> None:
+  if init_heads not in INIT_HEADS:
+    raise ValueError(f"--init_heads: got {init_heads!r}, allowed: 'copy', 'random'")
+
+
 def import_hf(ckpt: str, out: str, *, n_future: int, heads: str, init_heads: str = "copy",
               tokenizer: str = "", max_len: int = 0, dtype: str = "float32"
               ) -> ml_collections.ConfigDict:
@@ -98,17 +96,26 @@ def import_hf(ckpt: str, out: str, *, n_future: int, heads: str, init_heads: str
   workdir `out` with `n_future` heads of kind `heads`. Nothing is written unless every tensor
   is there with its shape."""
   check_out(out)
-  if init_heads not in INIT_HEADS:
-    raise ValueError(f"--init_heads: got {init_heads!r}, allowed: 'copy', 'random'")
-  c = hf_config(ckpt, n_future, heads, max_len)
-  source = Safetensors(ckpt)
-  prepare_config(c, tokenizer_path(ckpt, tokenizer, parent=False), ckpt)
+  check_init_heads(init_heads)
+  hf = read_json(os.path.join(ckpt, "config.json"), "config.json")
+  tok = tokenizer_path(ckpt, tokenizer, parent=False)
+  return import_source(hf, Safetensors(ckpt), out, source=ckpt, n_future=n_future, heads=heads,
+                       init_heads=init_heads, tokenizer=tok, max_len=max_len, dtype=dtype)
+
+
+def import_source(hf: dict, reader, out: str, *, source: str, n_future: int, heads: str,
+                  init_heads: str, tokenizer: str, max_len: int, dtype: str
+                  ) -> ml_collections.ConfigDict:
+  """config.json fields `hf` and a tensor `reader` (HF names; keys, shape, get) of checkpoint
+  `source` -> workdir `out`; `tokenizer` a path as prepare_config takes it ("" = none)."""
+  c = config_from_hf(hf, n_future, heads, max_len)
+  prepare_config(c, tokenizer, source)
   args, shapes = param_shapes(c)
   entries = llama_entries(args)
-  optional = {k for k in source.keys() if k.endswith("rotary_emb.inv_freq")}
+  optional = {k for k in reader.keys() if k.endswith("rotary_emb.inv_freq")}
   if args.tie_embeddings:
     optional.add("lm_head.weight")  # saved by some tied checkpoints; HF ignores it when tied
-  check_tensors(source, entries, shapes, ckpt, families.ARCHITECTURES[c.model.family],
+  check_tensors(reader, entries, shapes, source, families.ARCHITECTURES[c.model.family],
                 optional=optional)
   # Fill what the checkpoint holds (head 1's own block, parallel, goes to blocks[0] of a
   # one-block stack: the rest of the stack is new_heads' business).
@@ -117,7 +124,7 @@ def import_hf(ckpt: str, out: str, *, n_future: int, heads: str, init_heads: str
     filled.update({p: jax.ShapeDtypeStruct((1,) + s.shape[1:], s.dtype)
                    for p, s in shapes.items() if p[:len(path)] == path})
   dt = jnp.dtype(dtype)
-  params = read_params(source, entries, filled, dt)
+  params = read_params(reader, entries, filled, dt)
   params["heads"] = jax.tree.map(lambda x: x.astype(dt), new_heads(c, params, init_heads))
   write_workdir(out, c, params)
   return c

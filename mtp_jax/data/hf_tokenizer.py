@@ -21,7 +21,8 @@ import numpy as np
 
 TOKENIZER_JSON = "tokenizer.json"
 CANNOT_ENCODE = "text the tokenizer cannot encode: "  # every tokenizer's encode error starts so
-SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # copied with tokenizer.json
+# copied with tokenizer.json (transformers 5 saves a chat template as chat_template.jinja)
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def resolve(path: str) -> str:

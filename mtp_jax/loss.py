@@ -344,10 +344,17 @@ def naive_mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *,
   return sums if objective == "ce" else dict(sums, objective=jnp.stack([nll_N[0], *div(objective)]))
 
 
+def _forward(params, model, batch):
+  """h_NxBxSxD of a batch; a batch may carry the frozen trunk's output as "trunk_states" (heads
+  trained on a frozen trunk: model.trunk_states, computed once per window)."""
+  return model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"),
+                     trunk_states_BxSxD=batch.get("trunk_states"))[0]
+
+
 def model_sums(params, model, config, batch, frozen_heads: int = 0, accept: bool = False):
   """Forward the model and the per-head loss sums (`mtp_sums`) of a batch: what a train step
   accumulates over micro-batches (`accept`: with the sampled acceptance's sums, for evals)."""
-  h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
+  h_NxBxSxD = _forward(params, model, batch)
   return mtp_sums(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
                   batch.get("segment_ids"), token_chunks=config.loss.token_chunks,
                   vocab_size=model.args.vocab_size, frozen_heads=frozen_heads,
@@ -359,7 +366,7 @@ def model_loss(params, model, config, batch, *, naive: bool = False):
   """Forward the model and the loss from a config: what eval_step and the tests call."""
   w = head_weights(config)
   if naive:
-    h_NxBxSxD, _ = model.apply({"params": params}, batch["tokens"], batch.get("segment_ids"))
+    h_NxBxSxD = _forward(params, model, batch)
     return naive_mtp_loss(h_NxBxSxD, unembedding(params, model.args), batch["tokens"],
                           batch.get("segment_ids"), w, z_loss=config.loss.z_loss,
                           vocab_size=model.args.vocab_size, objective=config.loss.draft_objective)

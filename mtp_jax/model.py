@@ -74,12 +74,15 @@ class MTPModel(nn.Module):
   """tokens_BxS -> (h_NxBxSxD, cache). Pass `cache` (from `init_decode_cache`) and absolute
   `positions_BxS` to decode; `decoding=True` (no teacher forcing: heads that would read the
   next tokens, sequential depths, read their own drafts; `reads`, a `heads.DecodeReads`, says
-  what they read)."""
+  what they read). `trunk_states_BxSxD`: the trunk's output, computed before (heads-only training
+  on a frozen trunk computes it once per window, experiments/smollm2_heads.py); the trunk is
+  skipped, the heads read it as they read the trunk's."""
   args: ModelArgs
 
   @nn.compact
   def __call__(self, tokens_BxS, segment_ids_BxS=None, positions_BxS=None, cache=None, *,
-               embeddings_BxSxD=None, decoding: bool = False, reads=None):
+               embeddings_BxSxD=None, decoding: bool = False, reads=None,
+               trunk_states_BxSxD=None):
     a = self.args
     B, S = tokens_BxS.shape
     if positions_BxS is None:
@@ -88,8 +91,13 @@ class MTPModel(nn.Module):
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(0.02), ("vocab", "embed")))
     x_BxSxD = embed(tokens_BxS) if embeddings_BxSxD is None else embeddings_BxSxD
-    z_BxSxD, trunk_cache = Trunk(a, name="trunk")(
-        x_BxSxD, positions_BxS, segment_ids_BxS, None if cache is None else cache["trunk"])
+    if trunk_states_BxSxD is None:
+      z_BxSxD, trunk_cache = Trunk(a, name="trunk")(
+          x_BxSxD, positions_BxS, segment_ids_BxS, None if cache is None else cache["trunk"])
+    else:
+      if cache is not None:
+        raise ValueError("trunk_states_BxSxD: not with a decoding cache (the trunk writes it)")
+      z_BxSxD, trunk_cache = trunk_states_BxSxD, None
     if a.tie_embeddings:
       unembed_DxV = embed.embedding.T
     else:
@@ -107,6 +115,19 @@ class MTPModel(nn.Module):
         z_BxSxD, shared, None if cache is None else cache["heads"])
     new_cache = None if cache is None else {"trunk": trunk_cache, "heads": head_cache}
     return h_NxBxSxD, new_cache
+
+
+def trunk_states(params, args: ModelArgs, tokens_BxS, segment_ids_BxS=None) -> jax.Array:
+  """The trunk's output z_BxSxD for `tokens_BxS` (what `MTPModel` passes its heads), to be
+  given back as `trunk_states_BxSxD`: heads trained on a frozen trunk compute it once."""
+  B, S = tokens_BxS.shape
+  x_BxSxD = jnp.take(params["embed"]["embedding"], tokens_BxS, axis=0).astype(args.dtype)
+  positions_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  if args.n_trunk == 0:
+    return x_BxSxD
+  z_BxSxD, _ = Trunk(args).apply({"params": params["trunk"]}, x_BxSxD, positions_BxS,
+                                 segment_ids_BxS)
+  return z_BxSxD
 
 
 def model_args(config: ml_collections.ConfigDict) -> ModelArgs:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mtp_jax.heads import KINDS
-from mtp_jax.model import build_model, init_decode_cache, init_params, param_count
+from mtp_jax.model import (build_model, init_decode_cache, init_params, param_count,
+                           trunk_states)
 
 S_DEP = 8  # sequence length of the dependency tests
 SEGMENTS_DEP = np.array([[1, 1, 1, 2, 2, 2, 2, 0]], np.int32)  # doc 1: 0-2, doc 2: 3-6, pad: 7
@@ -228,6 +229,23 @@ def test_remat_equals_no_remat(make_config, make_model, kind):
     np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-6, err_msg=policy)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                  grads, grads_ref)
+
+
+@pytest.mark.parametrize("kind", tuple(KINDS))
+def test_heads_on_given_trunk_states_equal_the_whole_model(make_config, make_model, kind):
+  """trunk_states once, then heads on it (heads-only training on a frozen trunk) = the model."""
+  model, params = make_model(make_config(kind, 3))
+  tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 8), 0, model.args.vocab_size)
+  seg = jnp.asarray([[1] * 8, [1] * 3 + [2] * 5])
+  f = jax.jit(lambda p, t: (
+      model.apply({"params": p}, t, seg)[0],
+      model.apply({"params": p}, t, seg, trunk_states_BxSxD=trunk_states(p, model.args, t,
+                                                                           seg))[0]))
+  whole, given = f(params, tokens)
+  np.testing.assert_allclose(given, whole, rtol=1e-6, atol=1e-6)
+  z = trunk_states(params, model.args, tokens, seg)
+  assert not np.allclose(model.apply({"params": params}, tokens, seg,
+                                     trunk_states_BxSxD=z + 0.1)[0], whole, atol=1e-3)
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ gradient-accumulating train step (steps.py) reproduces the full batch's per-head
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -244,7 +245,7 @@ def mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,
 
 def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunks: int = 1,
              vocab_size: int | None = None, frozen_heads: int = 0, dot=jax.lax.dot_general,
-             objective: str = "ce", accept: bool = False):
+             objective: str = "ce", accept: bool = False, draft_ids=None):
   """Per-head sums (nll, zsq, correct, agree, tokens; each [N]) of the memory-lean loss. The
   first `frozen_heads` heads get no gradient (optim.trainable = "heads": head 1 depends on
   frozen params only), so their logits are never differentiated. `dot`: the logits' product
@@ -256,7 +257,14 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
   and its teacher logits are recomputed inside head i's scan step, next to head i's own, so
   logit memory stays O(V + d) in n. With a teacher (a draft objective, or `accept`: eval steps)
   sums["tv"] is head i's summed total variation from it (head 1: 0), the rejection rate of
-  speculative sampling, from which summarise gives head_alpha_sampled."""
+  speculative sampling, from which summarise gives head_alpha_sampled.
+
+  `draft_ids` (int [V'], real ids): a draft vocabulary for training heads 2..n (EAGLE-3's, FR-Spec's
+  V' most frequent tokens): their logits, targets and teacher (head 1's distribution renormalised
+  over V') span those columns alone, V / V' times cheaper; a target outside V' adds nothing to
+  their nll / objective sums (their argmax, mapped back to ids, still counts in correct / agree /
+  chain against every target). Head 1 keeps the whole vocabulary. Decoding is unchanged: heads
+  2..n draft over the whole vocabulary (experiments/smollm2_heads.py measures what that costs)."""
   N, B, S, D = h_NxBxSxD.shape
   V = unembed_DxV.shape[1] if vocab_size is None else vocab_size
   if V < unembed_DxV.shape[1] and backends.current().real_vocab_only():
@@ -271,11 +279,11 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
   if draft:  # head i's teacher at t: head 1 at t + i - 1 (past the end: zeros, masked)
     h1_BxSxD = jnp.pad(jax.lax.stop_gradient(h_NxBxSxD[0]), ((0, 0), (0, N), (0, 0)))
 
-  def stats(h_BxTxD, tgt_BxT, mask_BxT, *teacher_BxTxD):
-    return _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT, V, dot, *teacher_BxTxD,
-                        objective=objective)
+  def head(_, xs, W_DxV=unembed_DxV, Vn=V):
+    def stats(h_BxTxD, tgt_BxT, mask_BxT, *teacher_BxTxD):
+      return _token_stats(h_BxTxD, W_DxV, tgt_BxT, mask_BxT, Vn, dot, *teacher_BxTxD,
+                          objective=objective)
 
-  def head(_, xs):
     h_BxSxD, tgt_BxS, mask_BxS, *shift = xs
     teacher = [jax.lax.dynamic_slice_in_dim(h1_BxSxD, shift[0], S, axis=1)] if shift else []
     if C == 1:
@@ -287,19 +295,31 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
     return None, (nll_C.sum(), zsq_C.sum(), jnp.moveaxis(pred_CxBxT, 0, 1).reshape(B, S),
                   *(d.sum() for d in extra_C))
 
-  def scan(*xs):
-    return jax.lax.scan(jax.checkpoint(head, policy=_SAVE_NOTHING), None, xs)[1]
+  def scan(*xs, W_DxV=unembed_DxV, Vn=V):
+    body = jax.checkpoint(functools.partial(head, W_DxV=W_DxV, Vn=Vn), policy=_SAVE_NOTHING)
+    return jax.lax.scan(body, None, xs)[1]
+
+  if draft_ids is not None:  # V' columns, and each id's place among them (-1: not a draft id)
+    draft_ids = jnp.asarray(draft_ids, jnp.int32)
+    place_V = jnp.full((V,), -1, jnp.int32).at[draft_ids].set(
+        jnp.arange(len(draft_ids), dtype=jnp.int32))
 
   # Runs of heads scanned alike: the first F heads forward only (no backward pass through their
   # logits); with a teacher head 1 (none: its objective is its NLL, its tv 0) apart from 2..n.
   F = min(frozen_heads, N)
-  cuts = sorted({0, F, N} | ({1} if draft else set()))
+  cuts = sorted({0, F, N} | ({1} if draft or draft_ids is not None else set()))
   parts = []
   for lo, hi in zip(cuts, cuts[1:]):
     part = lambda a, lo=lo, hi=hi: a if (lo, hi) == (0, N) else a[lo:hi]
     h = jax.lax.stop_gradient(part(h_NxBxSxD)) if hi <= F else part(h_NxBxSxD)
     teacher = (jnp.arange(lo, hi),) if draft and lo else ()
-    out = scan(h, part(tgt_NxBxS), part(mask_NxBxS), *teacher)
+    if draft_ids is not None and lo:
+      place = place_V[part(tgt_NxBxS)]
+      out = scan(h, jnp.maximum(place, 0), part(mask_NxBxS) & (place >= 0), *teacher,
+                 W_DxV=unembed_DxV[:, draft_ids], Vn=len(draft_ids))
+      out = (out[0], out[1], draft_ids[out[2]], *out[3:])  # argmax back to ids
+    else:
+      out = scan(h, part(tgt_NxBxS), part(mask_NxBxS), *teacher)
     if draft and not lo:
       out = (*out, *([out[0]] if objective != "ce" else []), jnp.zeros_like(out[0]))
     parts.append(out)
@@ -351,7 +371,8 @@ def _forward(params, model, batch):
                      trunk_states_BxSxD=batch.get("trunk_states"))[0]
 
 
-def model_sums(params, model, config, batch, frozen_heads: int = 0, accept: bool = False):
+def model_sums(params, model, config, batch, frozen_heads: int = 0, accept: bool = False,
+               draft_ids=None):
   """Forward the model and the per-head loss sums (`mtp_sums`) of a batch: what a train step
   accumulates over micro-batches (`accept`: with the sampled acceptance's sums, for evals)."""
   h_NxBxSxD = _forward(params, model, batch)
@@ -359,7 +380,7 @@ def model_sums(params, model, config, batch, frozen_heads: int = 0, accept: bool
                   batch.get("segment_ids"), token_chunks=config.loss.token_chunks,
                   vocab_size=model.args.vocab_size, frozen_heads=frozen_heads,
                   dot=layers.dot_general(model.args), objective=config.loss.draft_objective,
-                  accept=accept)
+                  accept=accept, draft_ids=draft_ids)
 
 
 def model_loss(params, model, config, batch, *, naive: bool = False):

@@ -122,7 +122,7 @@ def init_state(model, tx, config, mesh, rng, shardings=None) -> TrainState:
   return init(rng)
 
 
-def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
+def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict, draft_ids=None):
   """Pure (params, batch, step=0) -> (grads, metrics) of the weighted per-head loss (loss.py).
   `step` (the train state's) sets lambda_i where they change over training
   (loss.head_weights_at: loss.mtp_lambda_schedule, loss.head_curriculum); metrics carry them as
@@ -148,7 +148,8 @@ def make_grad_fn(model: MTPModel, config: ml_collections.ConfigDict):
   def objective(params, batch, count_N, weights_N):
     if heads_only:
       params = optim_lib.stop_frozen_gradients(params, trained)
-    sums = loss_lib.model_sums(params, model, config, batch, frozen_heads=int(heads_only))
+    sums = loss_lib.model_sums(params, model, config, batch, frozen_heads=int(heads_only),
+                               draft_ids=draft_ids)
     return loss_lib.weighted_loss(sums, weights_N, z_loss, count_N), sums
 
   objective_grad = jax.grad(objective, has_aux=True)
@@ -202,10 +203,11 @@ def apply_updates(params, updates):
                       updates)
 
 
-def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict):
+def make_train_step(model: MTPModel, tx, config: ml_collections.ConfigDict, draft_ids=None):
   """Pure (state, batch) -> (state, metrics): gradients (`make_grad_fn`), the optax update, and
-  the non-finite-step counts of `optax.apply_if_finite`."""
-  grad_fn = make_grad_fn(model, config)
+  the non-finite-step counts of `optax.apply_if_finite`. `draft_ids`: heads 2..n train over
+  that draft vocabulary (loss.mtp_sums)."""
+  grad_fn = make_grad_fn(model, config, draft_ids)
   # Frozen params must stay bit-identical; elsewhere optax's plain sum is all a step needs.
   update_params = apply_updates if config.optim.trainable == "heads" else optax.apply_updates
   nan_steps = tuple(config.train.debug_nonfinite_steps)

@@ -263,8 +263,11 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
   V' most frequent tokens): their logits, targets and teacher (head 1's distribution renormalised
   over V') span those columns alone, V / V' times cheaper; a target outside V' adds nothing to
   their nll / objective sums (their argmax, mapped back to ids, still counts in correct / agree /
-  chain against every target). Head 1 keeps the whole vocabulary. Decoding is unchanged: heads
-  2..n draft over the whole vocabulary (experiments/smollm2_heads.py measures what that costs)."""
+  chain against every target). Head 1 keeps the whole vocabulary, except when frozen
+  (`frozen_heads`, heads-only training): then its sums too are over V' (figures of a training
+  step only: its loss is a constant there, and its whole-vocabulary logits would cost more than
+  every draft head's). Decoding is unchanged: heads 2..n draft over the whole vocabulary
+  (experiments/smollm2_heads.py measures acceptance over the whole vocabulary)."""
   N, B, S, D = h_NxBxSxD.shape
   V = unembed_DxV.shape[1] if vocab_size is None else vocab_size
   if V < unembed_DxV.shape[1] and backends.current().real_vocab_only():
@@ -313,7 +316,7 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
     part = lambda a, lo=lo, hi=hi: a if (lo, hi) == (0, N) else a[lo:hi]
     h = jax.lax.stop_gradient(part(h_NxBxSxD)) if hi <= F else part(h_NxBxSxD)
     teacher = (jnp.arange(lo, hi),) if draft and lo else ()
-    if draft_ids is not None and lo:
+    if draft_ids is not None and (lo or F):
       place = place_V[part(tgt_NxBxS)]
       out = scan(h, jnp.maximum(place, 0), part(mask_NxBxS) & (place >= 0), *teacher,
                  W_DxV=unembed_DxV[:, draft_ids], Vn=len(draft_ids))

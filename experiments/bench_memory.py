@@ -155,7 +155,16 @@ def main(argv=None):
   parser.add_argument("--json", required=True, help="where to write the records")
   parser.add_argument("--png", default=None, help="optional plot of temp memory against n")
   parser.add_argument("--workers", type=int, default=2, help="processes compiling at once")
+  parser.add_argument("--tiny", action="store_true",
+                      help="n_future 1 and 2, V 512, d 32, 2 layers, 2 x 32 tokens, one process "
+                      "(the suite's smoke run)")
   args = parser.parse_args(argv)
+  if args.tiny:  # module globals: read by the records and the table (spawned workers would not)
+    global N_FUTURE
+    N_FUTURE, args.workers = (1, 2), 1
+    LOSS.update(vocab_size=512, d_model=32, batch=2, seq_len=32)
+    MODEL.update(vocab_size=512, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64,
+                 batch=2, seq_len=32)
 
   t0 = time.perf_counter()
   jobs = [(what, n, impl, chunks) for what in ("loss", "train_step")
@@ -168,9 +177,9 @@ def main(argv=None):
       records = list(pool.map(_record, jobs))
   else:
     records = [_record(job) for job in jobs]
-  common = {"jax": jax.__version__, "backend": jax.default_backend()}
+  shared = {"jax": jax.__version__, "backend": jax.default_backend()}
   for r in records:
-    r["config"] = {**(LOSS if r["what"] == "loss" else MODEL), **common}
+    r["config"] = {**(LOSS if r["what"] == "loss" else MODEL), **shared}
   with open(args.json, "w") as f:
     json.dump(common.stamp(records), f, indent=1)
   print(table(records))

@@ -319,8 +319,9 @@ def verdict(records: list[dict], stage: str, metric: str = "a_greedy_b1") -> lis
     return []
   vals = {k: [r[metric] for r in v] for k, v in arms.items()}
   best = max(vals, key=lambda k: np.mean(vals[k]))
-  lines = [f"{stage}: {k}: {metric} {np.mean(v):.3f} +- {np.std(v, ddof=1) if len(v) > 1 else 0:.3f}"
-           f" ({len(v)} seeds)" for k, v in vals.items()]
+  sd = lambda v: np.std(v, ddof=1) if len(v) > 1 else 0.0
+  lines = [f"{stage}: {k}: {metric} {np.mean(v):.3f} +- {sd(v):.3f} ({len(v)} seeds)"
+           for k, v in vals.items()]
   for k, v in vals.items():
     if k != best:
       t, p = welch(vals[best], v)

@@ -65,8 +65,12 @@ def test_aggregate_and_verdict_against_the_seed_spread():
   assert "exceeds the seed-to-seed spread" in lines[0]
   assert lines[1].startswith("distilled: best decode/sampled_b1/a is kl_to_head1")  # 2.2 > 2.1
   assert lines[1].endswith("within the noise")  # lead 0.1 against a spread of 0.6
-  ce_best = ho.verdict(ho.aggregate(runs[:2] + runs[-2:]))
-  assert ce_best == [] or "ce is the best" in ce_best[0]
+  ce_best = ho.verdict(ho.aggregate(runs[:2] + runs[-2:]))  # ce on stdlib, curriculum distilled
+  assert len(ce_best) == 2, ce_best
+  assert ce_best[0].startswith("stdlib: best decode/sampled_b1/a is ce (1.520")
+  assert ce_best[0].endswith("; ce is the best")
+  assert ce_best[1].startswith("distilled: best decode/sampled_b1/a is ce+curriculum")
+  assert ce_best[1].endswith("; no ce arm to compare")
   one_seed = ho.verdict(ho.aggregate([runs[0], runs[2]]))
   assert one_seed[0].endswith("within the noise")  # one seed: no spread to compare with
   table = ho.table(arms, None)

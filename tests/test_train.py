@@ -132,8 +132,8 @@ def test_metrics_writer_keeps_torch_out_and_writes_tensorboard_scalars(tmp_path)
 
 @pytest.mark.slow
 def test_rerun_of_finished_run_keeps_summary(corpus, reference, tmp_path):
-  """Rerunning a finished run (`make demo` twice) trains nothing and keeps every key and value
-  of summary.json: the speed, eval and MFU of the steps that were trained."""
+  """Rerunning a finished run (`make demo-scratch` twice) trains nothing and keeps every key and
+  value of summary.json: the speed, eval and MFU of the steps that were trained."""
   wd = tmp_path / "run"
   shutil.copytree(reference["workdir"], wd)
   before = summary(wd)

@@ -29,13 +29,30 @@ pytestmark = pytest.mark.slow
 
 # (backend, CPU model, jaxlib version) -> run -> params_sha256
 GOLDEN = {
-    ("cpu", "AMD EPYC", "0.10.2"): {},
+    # 2-core AMD EPYC (KVM, AVX-512), recorded 2026-12-06 at 64e496d and again after the draft
+    # vocabulary and trunk-states changes: the same four hashes.
+    ("cpu", "AMD EPYC", "0.10.2"): {
+        "parallel": "eb9c02d5531c17cdfa28cbd4d246e42c2b568f3c8d742845db4820d3b730c113",
+        "projection": "243a255ac2a542870f304776739c0aa510d458a16ecc9ec4fc7cee21c1f27f14",
+        "sequential": "d3eafe9b1fdf6f0c1f53678b05c147811a64c2b29ded99f6d155e00f6acdcca7",
+        "heads_only": "efbe3bff71c52bac9caa79282d3ed8bb8f71967a5e1b282e02a96d63141e24bd",
+        # tests/integration/test_multihost.py's run of 2 processes x 2 devices (= 1 x 4)
+        "two_processes": "dcc0024ca16fcc5ad26d1ef5282b189f6b6ad64c91ee9cd6e852c1fe27b4d396",
+    },
 }
 RUNS = ("parallel", "projection", "sequential", "heads_only")
 
 
 def machine() -> tuple[str, str, str]:
   return jax.default_backend(), cpuinfo.cpu_model_name(), jaxlib.__version__
+
+
+def check(run: str, sha: str) -> None:
+  """Fails where `run`'s pinned hash for this machine is not `sha` (nothing pinned: passes)."""
+  want = GOLDEN.get(machine(), {}).get(run)
+  assert not want or sha == want, (
+      f"behaviour changed on {machine()}: {run} now hashes to {sha}, pinned {want}. If the "
+      "change is meant, pin the new hash in tests/test_golden.py and say why in the commit.")
 
 
 def tiny(corpus, kind: str):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import conftest
 from conftest import copy_code_corpus
+import test_golden
 
 from mtp_jax import config as config_lib
 from mtp_jax import sharding as shard_lib
@@ -136,6 +137,7 @@ def test_two_processes_train_as_one_with_four_devices(runs):
     assert b[step] == pytest.approx(a[step], rel=1e-6)
   # The same program over the same devices: XLA reduces in the same order, bit for bit.
   assert summary(two)["params_sha256"] == summary(one)["params_sha256"]
+  test_golden.check("two_processes", summary(two)["params_sha256"])  # and pinned
   assert summary(two)["step"] == STEPS
   assert (summary(two)["processes"], summary(one)["processes"]) == (2, 1)
   assert summary(two)["devices"] == summary(one)["devices"] == 4

@@ -55,6 +55,7 @@ def parse_args(argv=None):
   ap.add_argument("--temperature", type=float, default=0.8)
   ap.add_argument("--rounds", type=int, default=3, help="timed rounds, plain and speculative")
   ap.add_argument("--json", default="", help="also write the figures here")
+  ap.add_argument("--gguf", default="", help="another Llama GGUF file (default: SmolLM2's)")
   args = ap.parse_args(argv)
   args.warmup, args.prompt_tokens = 5, 32
   return args
@@ -82,8 +83,8 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   t_start = time.perf_counter()
   os.makedirs(args.root, exist_ok=True)
-  gguf = pretrained.fetch("smollm2")
-  print(f"[1/4] SmolLM2-135M-Instruct: {gguf}", flush=True)
+  gguf = args.gguf or pretrained.fetch("smollm2")
+  print(f"[1/4] the model: {gguf}", flush=True)
   imported = os.path.join(args.root, f"import_{args.kind}_n{args.n_future}")
   if not os.path.isdir(os.path.join(imported, "checkpoints")):
     from_gguf.import_gguf(gguf, imported, n_future=args.n_future, heads=args.kind)

@@ -76,8 +76,7 @@ FLAGS = [  # name, default, help
     ("n_prompts", 32, "held-out HumanEval prompts"), ("max_new_tokens", 32, ""),
     ("temperature", 0.8, "sampled decoding"), ("gguf", "", "the GGUF file (default: the wheel's)")]
 SMOKE = dict(windows=4, epochs=1, batch_size=2, seq_len=64, n_prompts=2, max_new_tokens=8,
-             seeds="0,1", draft_vocab=512, prompt_tokens=16, kinds="projection,sequential",
-             objectives="ce", data="stdlib")
+             seeds="0,1", draft_vocab=512, prompt_tokens=16)
 
 
 def parse_args(argv=None):
@@ -86,10 +85,14 @@ def parse_args(argv=None):
   for name, default, help_ in FLAGS:
     ap.add_argument(f"--{name}", type=type(default), default=default, help=help_)
   ap.add_argument("--smoke", action="store_true", help=f"tiny settings: {SMOKE}")
+  ap.add_argument("--report", action="store_true",
+                  help="print the table and verdicts of an existing --json, write its PNG, exit")
   args = ap.parse_args(argv)
-  if args.smoke:
+  if args.smoke:  # the tiny settings, where the command line left a flag at its default
+    defaults = {name: default for name, default, _ in FLAGS}
     for k, v in SMOKE.items():
-      setattr(args, k, v)
+      if getattr(args, k) == defaults[k]:
+        setattr(args, k, v)
   for field, allowed in (("kinds", KINDS), ("objectives", OBJECTIVES), ("data", DATA),
                          ("stages", ("kinds", "objectives"))):
     bad = [x for x in getattr(args, field).split(",") if x not in allowed]
@@ -273,6 +276,22 @@ def verdict(records: list[dict], stage: str, metric: str = "a_greedy_b1") -> lis
   return lines
 
 
+def table(records: list[dict]) -> str:
+  """Markdown, one row per arm of each stage: means (and std) over its seeds."""
+  ms = lambda v: f"{np.mean(v):.3f} +- {np.std(v, ddof=1) if len(v) > 1 else 0:.3f}"
+  vec = lambda rs, k: " / ".join(f"{x:.2f}" for x in np.mean([r[k] for r in rs], 0))
+  out = ["| stage | kind | objective | data | seeds | tokens each | tf alpha greedy | "
+         "tf alpha sampled | a greedy b1 | a sampled b1 | identical |", "|---" * 11 + "|"]
+  for stage in ("kinds", "objectives"):
+    for name, rs in arms_of(records, stage).items():
+      kind, objective, data = name.split("|")
+      out.append(f"| {stage} | {kind} | {objective} | {data} | {len(rs)} | "
+                 f"{rs[0]['tokens']:,} | {vec(rs, 'alpha_greedy')} | {vec(rs, 'alpha_sampled')} | "
+                 f"{ms([r['a_greedy_b1'] for r in rs])} | {ms([r['a_sampled_b1'] for r in rs])} | "
+                 f"{all(r['identical_to_greedy'] for r in rs)} |")
+  return "\n".join(out)
+
+
 def plot(records: list[dict], path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -296,6 +315,12 @@ def plot(records: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.report:
+    records = json.load(open(args.json))
+    plot(records, os.path.splitext(args.json)[0] + ".png")
+    print(table(records))
+    print("\n".join(verdict(records, "kinds") + verdict(records, "objectives")))
+    return 0
   os.makedirs(args.root, exist_ok=True)
   gguf = args.gguf or pretrained.fetch("smollm2")
   records = json.load(open(args.json)) if os.path.isfile(args.json) else []
@@ -372,8 +397,8 @@ def main(argv=None) -> int:
         run("objectives", best, objective, name)
   common.write_json(records, args.json)
   plot(records, os.path.splitext(args.json)[0] + ".png")
-  for line in verdict(records, "kinds") + verdict(records, "objectives"):
-    print(line)
+  print(table(records))
+  print("\n".join(verdict(records, "kinds") + verdict(records, "objectives")))
   return 0
 
 

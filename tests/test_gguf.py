@@ -35,7 +35,8 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
           .reshape(w.shape))
 
 
-def write_gguf(path, *, arch: str = "llama", quant=None, bad_type: bool = False):
+def write_gguf(path, *, arch: str = "llama", quant=None, bad_type: bool = False,
+               context: int = 64):
   """A tiny random Llama as a GGUF file at `path`; returns the transformers model holding the
   weights written (before quantization)."""
   import json
@@ -48,7 +49,7 @@ def write_gguf(path, *, arch: str = "llama", quant=None, bad_type: bool = False)
   torch.manual_seed(0)
   cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=128,
                                  num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                 num_key_value_heads=KV, max_position_embeddings=64,
+                                 num_key_value_heads=KV, max_position_embeddings=context,
                                  rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0,
                                  eos_token_id=1, pad_token_id=2,
                                  rope_parameters=dict(rope_type="default", rope_theta=5000.0))
@@ -56,7 +57,7 @@ def write_gguf(path, *, arch: str = "llama", quant=None, bad_type: bool = False)
   names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, LAYERS)
   w = gguf.GGUFWriter(str(path), arch)
   w.add_name("tiny-llama-test")
-  w.add_context_length(64)
+  w.add_context_length(context)
   w.add_embedding_length(D)
   w.add_block_count(LAYERS)
   w.add_feed_forward_length(128)

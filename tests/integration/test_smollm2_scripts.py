@@ -72,3 +72,16 @@ def test_demo_smoke(gguf, tmp_path, capsys):
     assert line in printed
   assert smollm2_demo.main(args) == 0  # rerun: the trained heads are reused
   assert "trained heads found" in capsys.readouterr().out
+
+
+def test_bench_heads_levers_smoke(gguf, tmp_path):
+  from experiments import bench_heads_levers
+  out = tmp_path / "levers.json"
+  assert bench_heads_levers.main(["--gguf", gguf, "--kinds", "projection", "--n_future", "3",
+                                  "--batch", "2", "--seq_len", "32", "--draft_vocab", "64",
+                                  "--reps", "1", "--json", str(out)]) == 0
+  (r,) = json.loads(out.read_text())
+  assert r["kind"] == "projection" and r["draft_vocab"] == 64 and r["trunk_pass_tokens_per_s"] > 0
+  assert set(r["train_tokens_per_s"]) == {"every_step_trunk", "cached_trunk",
+                                          "cached_trunk_draft_vocab"}
+  assert r["speedup"]["every_step_trunk"] == 1.0 and r["machine"]["cpu_model"]

@@ -101,9 +101,9 @@ test-slurm: install
 # code continued by the model itself, trunk states computed once, a draft vocabulary), then
 # HumanEval prompts decoded plain and self-speculatively: alpha_k, tokens per forward a, the
 # speed-up S on this machine, identical to greedy. Rerunning reuses what is there
-# (experiments/smollm2_demo.py; delete $(SMOL_DIR)/heads to train again).
+# (experiments/smollm2_demo.py; delete $(SMOL_DIR)/heads_* to train again).
 SMOL_DIR ?= runs/smollm2_demo
-DEMO_KIND ?= projection
+DEMO_KIND ?= parallel
 demo: install
 	$(BIN)/python -m experiments.smollm2_demo --root $(SMOL_DIR) --kind $(DEMO_KIND) \
 	  --json $(SMOL_DIR)/demo.json

@@ -8,12 +8,13 @@
 2. A few minutes of heads-only training on the frozen model (experiments/smollm2_heads.py's
    recipe: standard-library code continued by the model itself, the trunk's output computed once,
    heads 2..n over a draft vocabulary), with progress; the trained model is written as a workdir
-   (root/heads) that `python -m mtp_jax.generate --workdir` reads.
+   (root/heads_KIND_nN) that `python -m mtp_jax.generate --workdir` reads.
 3. HumanEval prompts decoded plain and self-speculatively (batch 1, greedy, then sampled), timed
    in interleaved rounds after a warm-up: alpha_k teacher-forced and decoded, tokens per forward
    a, the speed-up S on this machine, and whether speculative output equals greedy output.
 
-Rerunning reuses the import, the data and the trained heads (delete root/heads to train again).
+Rerunning reuses the import, the data and the trained heads (delete root/heads_KIND_nN to train
+again).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from mtp_jax.convert.workdir import write_workdir
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--root", default="runs/smollm2_demo")
-  ap.add_argument("--kind", default="projection", choices=sh.KINDS)
+  ap.add_argument("--kind", default="parallel", choices=sh.KINDS)
   ap.add_argument("--n_future", type=int, default=4)
   ap.add_argument("--objective", default="ce", choices=sh.OBJECTIVES)
   ap.add_argument("--data", default="distilled", choices=sh.DATA)
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
     print(f"  imported: python -m mtp_jax.convert from-gguf --gguf {gguf} --out {imported} "
           f"--n_future {args.n_future} --heads {args.kind}", flush=True)
   base = generate.load_workdir(imported)
-  heads_wd = os.path.join(args.root, "heads")
+  heads_wd = os.path.join(args.root, f"heads_{args.kind}_n{args.n_future}")
   if os.path.isdir(workdir_lib.checkpoints_dir(heads_wd)):
     print(f"[2/4] trained heads found in {heads_wd} (delete it to train again)", flush=True)
     trained = generate.load_workdir(heads_wd)

@@ -1,7 +1,8 @@
 """The training data of experiments/smollm2_heads.py and the demo (experiments/smollm2_demo.py):
 windows of standard-library code in the model's tokens, the model's own greedy continuations of
 them (self-distilled windows), and the frozen trunk's output for every window, each cached as a
-.npy file so that a rerun and every run of an experiment read it instead of computing it."""
+.npy file so that a rerun and every run of an experiment read it instead of computing it; the
+draft vocabulary of those windows, and a seed's initialisation of the new heads."""
 
 from __future__ import annotations
 
@@ -70,3 +71,36 @@ def states_of(loaded, windows: np.ndarray, batch: int = 8) -> np.ndarray:
   rate = windows.size / (time.perf_counter() - t0)
   print(f"  trunk states of {len(windows)} windows: {rate:.0f} tokens/s", flush=True)
   return np.concatenate(out)
+
+
+def perturbed(params, margs, seed: int):
+  """Heads 2..n's leaves plus noise of 1% of each leaf's scale (1e-4 where it is zero): the
+  seed's own initialisation around the copies of head 1. Head 1's own slots stay as they are."""
+  from mtp_jax import heads as heads_lib
+  kind = heads_lib.KINDS[margs.head_kind]
+  slots = {}
+  for j in range(2, margs.n_future + 1):
+    for path, index in kind.head_params(j):
+      slots.setdefault(tuple(path), []).append(index)
+  rng = np.random.default_rng(1000 + seed)
+  heads = jax.tree_util.tree_map_with_path(lambda p, x: np.asarray(x), params["heads"])
+
+  def noise(path, x):
+    names = ("heads",) + tuple(getattr(k, "key", str(k)) for k in path)
+    idx = slots.get(names[:2])
+    if idx is None:
+      return x
+    x = np.array(x)
+    for i in idx:
+      scale = float(np.std(x[i])) * 0.01 or 1e-4
+      x[i] = x[i] + rng.standard_normal(x[i].shape).astype(x.dtype) * scale
+    return x
+
+  return {**params, "heads": jax.tree_util.tree_map_with_path(noise, heads)}
+
+
+def draft_ids(windows: np.ndarray, V: int, vprime: int):
+  if not vprime or vprime >= V:
+    return None
+  counts = np.bincount(np.asarray(windows).reshape(-1), minlength=V)
+  return np.sort(np.argsort(-counts, kind="stable")[:vprime]).astype(np.int32)

@@ -52,7 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
-from experiments.smollm2_data import cached, distilled_windows, states_of, stdlib_windows
+from experiments.smollm2_data import (cached, distilled_windows, draft_ids, perturbed, states_of,
+                                      stdlib_windows)
 from mtp_jax import acceptance, generate, optimizer, steps as steps_lib
 from mtp_jax.convert import from_gguf, pretrained
 from mtp_jax.decoding import decode as decode_lib
@@ -106,39 +107,6 @@ def parse_args(argv=None):
 
 
 # ---- runs ------------------------------------------------------------------------------------
-
-def perturbed(params, margs, seed: int):
-  """Heads 2..n's leaves plus noise of 1% of each leaf's scale (1e-4 where it is zero): the
-  seed's own initialisation around the copies of head 1. Head 1's own slots stay as they are."""
-  from mtp_jax import heads as heads_lib
-  kind = heads_lib.KINDS[margs.head_kind]
-  slots = {}
-  for j in range(2, margs.n_future + 1):
-    for path, index in kind.head_params(j):
-      slots.setdefault(tuple(path), []).append(index)
-  rng = np.random.default_rng(1000 + seed)
-  heads = jax.tree_util.tree_map_with_path(lambda p, x: np.asarray(x), params["heads"])
-
-  def noise(path, x):
-    names = ("heads",) + tuple(getattr(k, "key", str(k)) for k in path)
-    idx = slots.get(names[:2])
-    if idx is None:
-      return x
-    x = np.array(x)
-    for i in idx:
-      scale = float(np.std(x[i])) * 0.01 or 1e-4
-      x[i] = x[i] + rng.standard_normal(x[i].shape).astype(x.dtype) * scale
-    return x
-
-  return {**params, "heads": jax.tree_util.tree_map_with_path(noise, heads)}
-
-
-def draft_ids(windows: np.ndarray, V: int, vprime: int):
-  if not vprime or vprime >= V:
-    return None
-  counts = np.bincount(np.asarray(windows).reshape(-1), minlength=V)
-  return np.sort(np.argsort(-counts, kind="stable")[:vprime]).astype(np.int32)
-
 
 def train_run(loaded, objective: str, windows, states, ids, seed: int, args) -> tuple:
   """Heads-only training on cached trunk states; (params, figures)."""

@@ -103,7 +103,7 @@ test-slurm: install
 # speed-up S on this machine, identical to greedy. Rerunning reuses what is there
 # (experiments/smollm2_demo.py; delete $(SMOL_DIR)/heads_* to train again).
 SMOL_DIR ?= runs/smollm2_demo
-DEMO_KIND ?= parallel
+DEMO_KIND ?= sequential
 demo: install
 	$(BIN)/python -m experiments.smollm2_demo --root $(SMOL_DIR) --kind $(DEMO_KIND) \
 	  --json $(SMOL_DIR)/demo.json

@@ -41,7 +41,7 @@ from mtp_jax.convert.workdir import write_workdir
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--root", default="runs/smollm2_demo")
-  ap.add_argument("--kind", default="parallel", choices=sh.KINDS)
+  ap.add_argument("--kind", default="sequential", choices=sh.KINDS)
   ap.add_argument("--n_future", type=int, default=4)
   ap.add_argument("--objective", default="ce", choices=sh.OBJECTIVES)
   ap.add_argument("--data", default="distilled", choices=sh.DATA)

@@ -62,7 +62,7 @@ from mtp_jax.model import build_model
 
 KINDS = ("parallel", "projection", "sequential")
 OBJECTIVES = ("ce", "kl_to_head1")
-DATA = ("stdlib", "distilled")
+DATA = ("distilled", "stdlib")
 FLAGS = [  # name, default, help
     ("json", "experiments/results/smollm2_heads.json", "the records (a list) and NAME.png"),
     ("n_future", 4, "heads, head 1 included"), ("seq_len", 256, "training window"),
@@ -244,6 +244,11 @@ def verdict(records: list[dict], stage: str, metric: str = "a_greedy_b1") -> lis
   return lines
 
 
+def verdicts(records: list[dict]) -> list[str]:
+  return [line for stage in ("kinds", "objectives") for metric in ("a_greedy_b1", "a_sampled_b1")
+          for line in verdict(records, stage, metric)]
+
+
 def table(records: list[dict]) -> str:
   """Markdown, one row per arm of each stage: means (and std) over its seeds."""
   ms = lambda v: f"{np.mean(v):.3f} +- {np.std(v, ddof=1) if len(v) > 1 else 0:.3f}"
@@ -275,8 +280,7 @@ def plot(records: list[dict], path: str) -> None:
                   color=f"C{i}", capsize=4)
     ax.axhline(1.0, color="k", ls=":")
     ax.set_xticks(range(len(names)), [n.replace("|", "\n") for n in names], fontsize=7)
-    ax.set(ylabel="tokens per forward a", title=f"SmolLM2-135M, HumanEval prompts: {metric} "
-           "(x: seeds, bar: std)")
+    ax.set(ylabel="tokens per forward a", title=f"SmolLM2-135M: {metric} (x: seeds, bar: std)")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
@@ -287,7 +291,7 @@ def main(argv=None) -> int:
     records = json.load(open(args.json))
     plot(records, os.path.splitext(args.json)[0] + ".png")
     print(table(records))
-    print("\n".join(verdict(records, "kinds") + verdict(records, "objectives")))
+    print("\n".join(verdicts(records)))
     return 0
   os.makedirs(args.root, exist_ok=True)
   gguf = args.gguf or pretrained.fetch("smollm2")
@@ -366,7 +370,7 @@ def main(argv=None) -> int:
   common.write_json(records, args.json)
   plot(records, os.path.splitext(args.json)[0] + ".png")
   print(table(records))
-  print("\n".join(verdict(records, "kinds") + verdict(records, "objectives")))
+  print("\n".join(verdicts(records)))
   return 0
 
 

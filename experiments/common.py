@@ -38,6 +38,21 @@ def is_checkout(tree: str, module: str) -> bool:
   return os.path.isfile(os.path.join(tree, "experiments", f"{module}.py"))
 
 
+def add_flag_table(parser, flags, smoke: dict) -> None:
+  """--NAME for each (name, default, help) of `flags` (typed by the default), and --smoke, whose
+  tiny settings `apply_smoke` applies."""
+  for name, default, help_ in flags:
+    parser.add_argument(f"--{name}", type=type(default), default=default, help=help_)
+  parser.add_argument("--smoke", action="store_true", help=f"tiny settings: {smoke}")
+
+
+def apply_smoke(parser, args, smoke: dict) -> None:
+  """With --smoke, `smoke`'s settings for every flag the command line left at its default."""
+  for k, v in smoke.items() if args.smoke else ():
+    if getattr(args, k) == parser.get_default(k):
+      setattr(args, k, v)
+
+
 def positive_ints(parser, flag: str, text: str) -> list[int]:
   """A comma-separated list of positive integers (`--batches 1,2,8`), or the parser's one-line
   error naming `flag`."""

@@ -73,16 +73,13 @@ def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--source", help="a trained workdir (read only)")
   ap.add_argument("--root", help="folder for the base, the distilled data and the runs")
-  for name, default, help_ in FLAGS:
-    ap.add_argument(f"--{name}", type=type(default), default=default, help=help_)
-  ap.add_argument("--smoke", action="store_true", help=f"tiny settings: {SMOKE}")
+  common.add_flag_table(ap, FLAGS, SMOKE)
   ap.add_argument("--verdict", action="store_true",
                   help="print the table and verdict of an existing --json and exit")
   args = ap.parse_args(argv)
   if not args.verdict and not (args.source and args.root):
     ap.error("--source and --root are required (unless --verdict)")
-  for k, v in SMOKE.items() if args.smoke else ():  # where the flag was left at its default
-    setattr(args, k, v if getattr(args, k) == ap.get_default(k) else getattr(args, k))
+  common.apply_smoke(ap, args, SMOKE)
   for flag in ("seeds", "sample_seeds", "batches"):
     text = getattr(args, flag)
     if not all(x.strip().isdigit() for x in text.split(",")):

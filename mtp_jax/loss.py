@@ -282,7 +282,7 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
   if draft:  # head i's teacher at t: head 1 at t + i - 1 (past the end: zeros, masked)
     h1_BxSxD = jnp.pad(jax.lax.stop_gradient(h_NxBxSxD[0]), ((0, 0), (0, N), (0, 0)))
 
-  def head(_, xs, W_DxV=unembed_DxV, Vn=V):
+  def head(_, xs, *, W_DxV, Vn):  # W_DxV: V columns, or V' (draft_ids); scan passes both
     def stats(h_BxTxD, tgt_BxT, mask_BxT, *teacher_BxTxD):
       return _token_stats(h_BxTxD, W_DxV, tgt_BxT, mask_BxT, Vn, dot, *teacher_BxTxD,
                           objective=objective)

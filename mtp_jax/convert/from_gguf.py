@@ -28,9 +28,9 @@ import numpy as np
 from mtp_jax.convert import families, from_hf
 from mtp_jax.convert.workdir import check_out
 
-# llama.cpp's general.architecture values whose blocks mtp_jax computes (families.py), and the
-# model_type transformers gives each.
-ARCHITECTURES = {"llama": "llama"}
+# llama.cpp's general.architecture values accepted: blocks mtp_jax computes (families.py) and
+# tests here read.
+ARCHITECTURES = ("llama",)
 
 
 class TensorDict:
@@ -94,8 +94,6 @@ def read_gguf(path: str) -> tuple[dict, dict[str, np.ndarray]]:
   from transformers import AutoConfig
   from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
   from transformers.models.auto.modeling_auto import AutoModelForCausalLM
-  from transformers.utils import logging as hf_logging
-  hf_logging.disable_progress_bar()
   hf = load_gguf_checkpoint(path)["config"]
   hf.pop("_model_name_or_path", None)
   families.family_of(hf)  # model_type (transformers' name for the architecture)

@@ -32,37 +32,55 @@ def test_predict_a_pools_and_takes_the_slowest_row():
   assert costmodel.predict_a(uneven, probe, costmodel.chain(3)) == pytest.approx(row1)
 
 
-def test_predict_a_pessimistic_by_hand():
-  """z standard errors below each row's mean: the probe's error (n + PRIOR cycles) and a decode
-  of max_new_tokens / a cycles; a row that always reaches the same depth has none."""
+def test_expected_max_by_hand():
+  assert costmodel.expected_max([3.0], [2.0]) == pytest.approx(3.0, abs=1e-6)  # one: its mean
+  # two i.i.d. normals: mean + sd / sqrt(pi); 32 standard normals: 2.0697 (tables)
+  assert costmodel.expected_max([1.0, 1.0], [2.0, 2.0]) == pytest.approx(
+      1 + 2 / np.sqrt(np.pi), abs=1e-6)
+  assert costmodel.expected_max(np.zeros(32), np.ones(32)) == pytest.approx(2.0697, abs=1e-3)
+
+
+def test_predict_a_expected_slowest_row_by_hand():
+  """a = N / E[max over rows of the cycles a row needs]: each row's cycles ~ Normal(N / a,
+  N s^2 / a^3 + (N / a^2)^2 s^2 / (n + PRIOR)); a row that always reaches the same depth has no
+  spread, and one row's expected cycles are N / its mean (no pessimism beyond the slowest row)."""
   probe, prior = costmodel.chain(3), costmodel.PRIOR
-  sure = np.asarray([[0, 0, 12]])  # every cycle: both drafts
-  assert costmodel.predict_a(sure, probe, probe, z=2.0, max_new_tokens=30) == pytest.approx(3.0)
-  half = np.asarray([[6, 0, 6]])  # depth 0 or 2, half each: mean 1, variance 1
-  se = np.sqrt(1.0 * (1 / (12 + prior) + 2.0 / 60))
+  sure = np.asarray([[0, 0, 12]] * 8)  # every cycle: both drafts
+  assert costmodel.predict_a(sure, probe, probe, max_new_tokens=30) == pytest.approx(3.0)
+  half = np.asarray([[6, 0, 6]])  # depth 0 or 2, half each: mean a 2, variance 1
   assert costmodel.predict_a(half, probe, probe) == pytest.approx(2.0)
-  assert costmodel.predict_a(half, probe, probe, z=1.0, max_new_tokens=60) == pytest.approx(
-      2.0 - se)
-  assert costmodel.predict_a(half, probe, probe, z=1.0) == pytest.approx(
-      2.0 - np.sqrt(1 / (12 + prior)))
-  assert costmodel.predict_a(half, probe, probe, z=50.0) == 1.0  # never below plain's
+  assert costmodel.predict_a(half, probe, probe, max_new_tokens=60) == pytest.approx(2.0)
+  n, a = 60.0, 2.0
+  sd = np.sqrt(n / a ** 3 + (n / a ** 2) ** 2 / (12 + prior))
+  two = costmodel.predict_a(np.concatenate([half, half]), probe, probe, max_new_tokens=60)
+  assert two == pytest.approx(n / (n / a + sd / np.sqrt(np.pi)), rel=1e-5)
+  never = np.asarray([[12, 0, 0]] * 4)
+  assert costmodel.predict_a(never, probe, probe, max_new_tokens=60) == 1.0  # plain's
 
 
-def test_slowest_row_z_grows_with_the_batch():
-  assert costmodel.slowest_row_z(1) == 1.0
-  assert costmodel.slowest_row_z(2) == pytest.approx(1.1774, abs=1e-4)
-  assert costmodel.slowest_row_z(8) == pytest.approx(np.sqrt(2 * np.log(8)))
-  assert costmodel.slowest_row_z(32) > costmodel.slowest_row_z(8)
+def test_batch_32_with_a_small_spread_is_not_floored_at_1():
+  """32 rows of about the same acceptance (chain:4, mean a about 1.7 per row, as measured at
+  batch 32): the expected slowest row is below the mean but well above plain's 1 (the rule of
+  z standard errors below the slowest row floored every candidate at 1 here)."""
+  probe, rng = costmodel.chain(4), np.random.default_rng(0)
+  hist = np.stack([np.asarray([7, 3, 1, 1]) + rng.integers(0, 2, 4) for _ in range(32)])
+  mean = costmodel.predict_a(hist, probe, probe)
+  assert 1.6 < mean < 1.8
+  a = costmodel.predict_a(hist, probe, probe, max_new_tokens=128)
+  assert 1.25 < a < mean
+  for cand in costmodel.candidates(4, trees=False)[1:]:
+    assert costmodel.predict_a(hist, probe, cand, max_new_tokens=128) > 1.1
 
 
-def test_pessimism_keeps_plain_where_the_mean_would_gamble():
-  """A chain of 2 whose mean a (1.5) beats its cost (1.3) by 15%, on a probe of 4 cycles that
-  split half and half: under z = 1 its a drops below 1.3 x MIN_GAIN, so plain decoding stays."""
+def test_the_slowest_row_keeps_plain_where_one_row_would_gamble():
+  """A chain of 2 whose mean a (1.5) beats its cost (1.3) by 15%, on rows probed for 4 cycles
+  that split half and half: one row bets (its expected a is its mean, MIN_GAIN the margin);
+  8 such rows, whose slowest sets the pace, stay with plain decoding."""
   probe, cands = costmodel.chain(2), costmodel.candidates(2, trees=False)
-  hist = np.asarray([[2, 2]])
   seconds = lambda c: (1.0, 1.0 if c.k == 1 else 1.3)
-  assert costmodel.choose(hist, probe, cands, seconds)["tree"] == probe
-  kept = costmodel.choose(hist, probe, cands, seconds, z=1.0, max_new_tokens=64)
+  one = costmodel.choose(np.asarray([[2, 2]]), probe, cands, seconds, max_new_tokens=64)
+  assert one["tree"] == probe and one["a_predicted"] == pytest.approx(1.5)
+  kept = costmodel.choose(np.asarray([[2, 2]] * 8), probe, cands, seconds, max_new_tokens=64)
   assert kept["tree"] == costmodel.chain(1) and kept["S_predicted"] == 1.0
   row = kept["table"][1]
   assert row["a_mean"] == pytest.approx(1.5) and row["a_predicted"] < 1.3 * costmodel.MIN_GAIN

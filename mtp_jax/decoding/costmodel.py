@@ -15,12 +15,13 @@ sub-tree of the probe (a chain of k' heads: the first k'-1 depths, one candidate
 c'_1,..,c'_D with c'_d <= c_d), and in greedy decoding the accepted path is the greedy
 continuation, so on each probed cycle the depth a candidate would have reached follows from
 the probe's best node alone: the first depth whose token ranked beyond the candidate's width
-(`reached_depth`). Per row, that gives a(candidate) = 1 + E[depth reached], smoothed toward the
-batch's pooled histogram (PRIOR pseudo-cycles: a row probed for few cycles is not trusted
-alone); the batch's a is the minimum over rows, and a pessimistic one: each row's mean less
-z standard errors (the probe's few cycles, and the decode's own spread over its
-max_new_tokens / a cycles), z = `slowest_row_z(batch)` (1 at batch 1, sqrt(2 ln B) beyond: the
-expected minimum of B draws), so a batch whose slowest row is uncertain is not bet on.
+(`reached_depth`). Per row,
+that gives a(candidate) = 1 + E[depth reached], smoothed toward the batch's pooled histogram
+(PRIOR pseudo-cycles: a row probed for few cycles is not trusted alone). A batch runs until its
+slowest row is done, so the batch's a is N / E[max over rows of the cycles a row needs for
+N = max_new_tokens tokens], each row's cycles from a predictive distribution that holds the
+decode's own spread and the probe's error in the row's mean (`predict_a`): one rule, each risk
+counted once, no z on top (docs/decoding.md, "One pessimism rule").
 (Sampled chains: the histogram of accepted drafts, read the same way; exact for greedy, an
 estimate for sampling.) The loop's own cost beyond the forward (acceptance, drafting, stops) is
 measured on the probe for the candidates and on a plain decoding loop for plain decoding
@@ -31,12 +32,12 @@ predicted S, plain decoding (S = 1) unless a candidate beats it by MIN_GAIN.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy import special
 
 from mtp_jax import heads
 from mtp_jax.model_args import ModelArgs
@@ -179,19 +180,27 @@ def reached_depth(probe: Tree, cand: Tree) -> np.ndarray:
   return out
 
 
-def slowest_row_z(batch: int) -> float:
-  """Standard errors below a row's mean that the batch's slowest row is taken at: 1 for one row
-  (about its 16th percentile), sqrt(2 ln B) for B rows (the expected minimum of B normal
-  draws grows so)."""
-  return max(1.0, math.sqrt(2.0 * math.log(max(batch, 1))))
+def expected_max(mean_B: np.ndarray, sd_B: np.ndarray, points: int = 2049) -> float:
+  """E[max_b X_b] for independent X_b ~ Normal(mean_b, sd_b), by integrating
+  E[max] = lo + int_lo^inf (1 - prod_b Phi((x - mean_b) / sd_b)) dx from lo = min mean - 9 sd."""
+  mean_B, sd_B = np.asarray(mean_B, np.float64), np.maximum(np.asarray(sd_B, np.float64), 1e-12)
+  lo, hi = float((mean_B - 9 * sd_B).min()), float((mean_B + 9 * sd_B).max())
+  x = np.linspace(lo, hi, points)
+  cdf = np.prod(special.ndtr((x[:, None] - mean_B) / sd_B), axis=1)
+  return lo + float(np.trapezoid(1.0 - cdf, x))
 
 
-def predict_a(hist_BxN: np.ndarray, probe: Tree, cand: Tree, *, z: float = 0.0,
+def predict_a(hist_BxN: np.ndarray, probe: Tree, cand: Tree, *,
               max_new_tokens: int = 0) -> float:
-  """The slowest row's predicted tokens per forward with `cand` (module docstring): each row's
-  mean, from its histogram smoothed toward the pooled one by PRIOR cycles; with z > 0 less z
-  standard errors of it (the probe's n + PRIOR cycles, and a decode of max_new_tokens / a
-  cycles; 0: the probe's alone), never below 1."""
+  """The batch's predicted tokens per forward with `cand` (module docstring, docs/decoding.md
+  "One pessimism rule"). Each row's mean a_b = 1 + E[depth reached], from its histogram smoothed
+  toward the pooled one by PRIOR cycles, with the variance s_b^2 of the depth per cycle.
+  max_new_tokens = N > 0: the expected slowest row. Row b needs C_b cycles for N tokens, its
+  predictive distribution about Normal(N / a_b, N s_b^2 / a_b^3 + (N / a_b^2)^2 s_b^2 /
+  (n_b + PRIOR)) (the decode's own spread, renewal theory; and the probe's error in a_b, n_b
+  cycles + PRIOR), and the batch runs max_b C_b cycles: a = N / E[max_b C_b], in [1, N].
+  Each risk counted once: the spread within a row, the probe's error, and the slowest of B.
+  0: the slowest row's mean (no spread)."""
   hist_BxN = np.asarray(hist_BxN, np.float64)
   pooled_N = hist_BxN.sum(0) / max(hist_BxN.sum(), 1)
   n_B = hist_BxN.sum(1)
@@ -199,23 +208,26 @@ def predict_a(hist_BxN: np.ndarray, probe: Tree, cand: Tree, *, z: float = 0.0,
   depth_N = reached_depth(probe, cand).astype(np.float64)
   mean_B = p_BxN @ depth_N
   a_B = 1.0 + mean_B
-  if z > 0:
-    var_B = np.maximum(p_BxN @ depth_N ** 2 - mean_B ** 2, 0.0)
-    inv_cycles_B = a_B / max_new_tokens if max_new_tokens else 0.0
-    a_B = np.maximum(1.0, a_B - z * np.sqrt(var_B * (1.0 / (n_B + PRIOR) + inv_cycles_B)))
-  return float(a_B.min())
+  if not max_new_tokens:
+    return float(a_B.min())
+  var_B = np.maximum(p_BxN @ depth_N ** 2 - mean_B ** 2, 0.0)
+  n = float(max_new_tokens)
+  cycles_B = n / a_B
+  var_cycles_B = n * var_B / a_B ** 3 + (n / a_B ** 2) ** 2 * var_B / (n_B + PRIOR)
+  slowest = expected_max(cycles_B, np.sqrt(var_cycles_B))
+  return float(np.clip(n / max(slowest, 1.0), 1.0, n))
 
 
-def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *, z: float = 0.0,
+def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *,
            max_new_tokens: int = 0) -> dict:
   """The candidate of highest predicted S = a x T1 / T(candidate); seconds(tree) -> (T1, T)
-  (`forward_times`, each with its loop's factor); a from `predict_a` (z, max_new_tokens: its
-  pessimism; "a_mean" in the table is the slowest row's mean).
+  (`forward_times`, each with its loop's factor); a from `predict_a` (max_new_tokens: the
+  expected slowest row of a decode that long; "a_mean" in the table is the slowest row's mean).
   Returns {"tree": Tree, "S_predicted", "a_predicted", "table": [...]} (plain decoding, the
   chain of 1, unless a candidate's S is at least MIN_GAIN)."""
   table = []
   for cand in cands:
-    a = predict_a(hist_BxN, probe, cand, z=z, max_new_tokens=max_new_tokens)
+    a = predict_a(hist_BxN, probe, cand, max_new_tokens=max_new_tokens)
     t1, t = seconds(cand)
     table.append({"tree": cand.name, "heads": cand.k, "nodes": cand.n_nodes, "a_predicted": a,
                   "a_mean": predict_a(hist_BxN, probe, cand), "forward_1_seconds": t1,

@@ -262,7 +262,7 @@ class Session:
     plain_loop_factor = max(1.0, plain_cycle_seconds / times[one])
     seconds = lambda c: (times[one] * plain_loop_factor,
                          times[c] * (loop_factor if c.k > 1 else plain_loop_factor))
-    pessimism = dict(z=costmodel.slowest_row_z(batch), max_new_tokens=max_new_tokens)
+    pessimism = dict(max_new_tokens=max_new_tokens)  # the expected slowest row
 
     picked = costmodel.choose(r.rows_hist, probe, cands, seconds, **pessimism)
     best = picked.pop("tree")
@@ -272,7 +272,7 @@ class Session:
                 probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
                        "tokens_per_forward": r.tokens_per_forward, "loop_factor": loop_factor,
                        "cycle_seconds": cycle_seconds, "plain_loop_factor": plain_loop_factor,
-                       "plain_cycle_seconds": plain_cycle_seconds, "z": pessimism["z"]},
+                       "plain_cycle_seconds": plain_cycle_seconds},
                 seconds=time.perf_counter() - t0)
 
   def _dynamic(self, prompts, picked, best, *, k, pessimism, **kw):

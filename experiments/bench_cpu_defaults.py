@@ -77,7 +77,7 @@ def worker(args):
                       "first_s": steps[0][0]}), flush=True)
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--config", default="configs/ntp.py")
   ap.add_argument("--kind", default="parallel")
@@ -96,7 +96,7 @@ def main():
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--impl", default="einsum", help=argparse.SUPPRESS)
   ap.add_argument("--remat", default="none", help=argparse.SUPPRESS)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   if args.worker:
     return worker(args)
   envs = args.envs.split(",")

@@ -38,12 +38,12 @@ SHAPES = [  # (name, [M, K] x [K, N], lhs transposed: a weight gradient x^T dy)
 YNN_DOTS = {runtime.YNN_FUSION_OPTION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--json", default=None, help="write the records here")
   ap.add_argument("--reps", type=int, default=15, help="timed calls per library and shape")
   ap.add_argument("--cpus", default="", help="run on these CPUs only, e.g. 0 (as bench_train)")
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   from experiments.bench_train import _parse_cpus
   try:
     cpus = _parse_cpus(args.cpus)

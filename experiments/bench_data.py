@@ -89,7 +89,7 @@ def train_step_tokens_per_sec() -> float | None:
                if r["kind"] == "parallel" and r["n_future"] == 1), None)
 
 
-def main() -> None:
+def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--folder", default=sysconfig.get_paths()["stdlib"])
   p.add_argument("--glob", default="*.py")
@@ -98,7 +98,7 @@ def main() -> None:
   p.add_argument("--batches", type=int, default=300)
   p.add_argument("--doc_bytes", type=int, default=2000)
   p.add_argument("--json", default="")
-  args = p.parse_args()
+  args = p.parse_args(argv)
 
   c = config_lib.base_config()
   result = {"batch": c.train.batch_size, "seq_len": c.data.seq_len,

@@ -225,7 +225,7 @@ def plots(records, png_dir, prefix="decode_"):
   fig.savefig(os.path.join(png_dir, f"{prefix}speedup.png"), dpi=120)
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workdir", default=None)
   ap.add_argument("--json", default=None)
@@ -241,7 +241,7 @@ def main():
   ap.add_argument("--temperature", type=float, default=0.8, help="sampled rows; 0: greedy only")
   ap.add_argument("--top_p", type=float, default=0.95)
   ap.add_argument("--top_k", type=int, default=0)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   if args.replot:
     with open(args.replot) as f:
       plots(json.load(f), args.png_dir or os.path.dirname(os.path.abspath(args.replot)),

@@ -200,7 +200,7 @@ def bench_batch(workers, prompts, args):
   return rec
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--json", default=None)
@@ -218,7 +218,7 @@ def main():
                        "HEAD~1`): its plain greedy decoding runs as one more side, plain@ref, "
                        "so a code change is judged against the code before it in one run")
   ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   if args.worker:
     return worker(args)
   if args.ref_tree and not common.is_checkout(args.ref_tree, "bench_decode_hf"):

@@ -69,7 +69,7 @@ def build(c):
   return run, info
 
 
-def main():
+def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--json", default="")
   p.add_argument("--kind", default="parallel", choices=("parallel", "projection", "sequential"))
@@ -80,7 +80,7 @@ def main():
   p.add_argument("--seq_len", type=int, default=128)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--rounds", type=int, default=5)
-  args = p.parse_args()
+  args = p.parse_args(argv)
   load_before = os.getloadavg()
   runs, infos = {}, {}
   for name in ("heads", "all"):

@@ -19,12 +19,12 @@ from experiments import common
 from mtp_jax.evaluation import code_tasks, sandbox
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workers", type=int, default=2)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--out", default="")
-  a = ap.parse_args()
+  a = ap.parse_args(argv)
   problems = code_tasks.humaneval_problems()
   programs = [p.program(p.canonical) for p in problems]
   rates, passed = [], []

@@ -24,7 +24,7 @@ from mtp_jax.evaluation import code_tasks, passk
 from mtp_jax.generate import load_workdir
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--limit", type=int, default=20)
@@ -34,7 +34,7 @@ def main():
   ap.add_argument("--temperature", type=float, default=0.0)
   ap.add_argument("--top_p", type=float, default=1.0)
   ap.add_argument("--out", default="")
-  a = ap.parse_args()
+  a = ap.parse_args(argv)
   loaded = load_workdir(a.workdir)
   tok = loaded.tokenizer
   max_len = loaded.model.args.max_len

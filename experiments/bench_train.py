@@ -299,7 +299,7 @@ def _parse_cpus(text: str) -> set[int]:
   return cpus
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--config", default="configs/default.py")
   ap.add_argument("--json", default=None, help="write the records here")
@@ -328,7 +328,7 @@ def main():
                   help="--peer: also time another checkout's JAX step (a worker run from that "
                   "folder) and record this code's speed over it, round by round")
   ap.add_argument("--peer_worker", default=None, help=argparse.SUPPRESS)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   try:  # bad input fails here, before any compile
     overrides = common.parse_overrides(args.set)
     common.apply_overrides(load_file(args.config), overrides)

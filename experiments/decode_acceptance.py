@@ -25,14 +25,14 @@ from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.workdir import load_workdir
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--n", type=int, default=64)
   ap.add_argument("--prompt_len", type=int, default=64)
   ap.add_argument("--max_new_tokens", default="16,128")
   ap.add_argument("--json", default=None)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   loaded = load_workdir(args.workdir)
   prompts = [list(map(int, p)) for p in heldout_prompts(loaded, args.n, args.prompt_len)]
   out = {"workdir": args.workdir, "step": loaded.step, "kind": loaded.model.args.head_kind,

@@ -84,7 +84,7 @@ def run_config(base_config, base_wd: str, args, files: str = ""):
   return validation.resolve(c)
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--source", required=True, help="a trained workdir (read only)")
   ap.add_argument("--root", required=True, help="folder for the base, data and runs")
@@ -102,7 +102,7 @@ def main():
   ap.add_argument("--decode_batch", type=int, default=8)
   ap.add_argument("--decode_prompt_len", type=int, default=64)
   ap.add_argument("--decode_new_tokens", type=int, default=64)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   os.makedirs(args.root, exist_ok=True)
   t0 = time.time()
   snap_wd, base_wd, source_step = make_base(args.source, args.root)

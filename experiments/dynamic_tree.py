@@ -44,7 +44,7 @@ def static_specs(nodes: int, levels: int) -> list[str]:
   return out
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--json", default=None)
@@ -54,7 +54,7 @@ def main():
   ap.add_argument("--max_new_tokens", type=int, default=128)
   ap.add_argument("--temperature", type=float, default=0.8, help="sampled rows; 0: greedy only")
   ap.add_argument("--top_p", type=float, default=0.95)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   loaded = load_workdir(args.workdir)
   margs = loaded.model.args
   prompts = [list(map(int, p)) for p in heldout_prompts(loaded, args.prompts, args.prompt_len)]

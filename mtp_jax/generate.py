@@ -30,7 +30,7 @@ import numpy as np
 from absl import app, flags
 
 from mtp_jax import cli
-from mtp_jax import sharding as shard_lib
+from mtp_jax import distributed
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.decoding import speed
@@ -185,7 +185,7 @@ def main(argv):
                 top_k=FLAGS.top_k, top_p=FLAGS.top_p, num_samples=FLAGS.num_samples,
                 seed=FLAGS.seed, reps=FLAGS.reps)
     parse_heads(FLAGS.heads)
-    shard_lib.refuse_multiprocess("python -m mtp_jax.generate")
+    distributed.refuse_multiprocess("python -m mtp_jax.generate")
     if not FLAGS.workdir:
       raise ValueError("--workdir: required, a training workdir")
     texts = list(FLAGS.prompt)

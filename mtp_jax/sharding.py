@@ -10,33 +10,23 @@ stream at block boundaries by `constrain`, active while a step is traced inside
 loss scan over heads works either way. tests/test_sharding.py checks all of it against one
 device on 8 simulated CPU devices.
 
-Multi-host: call `maybe_initialize_distributed` first thing (config.mesh, or the JAX_*
-variables, or the launcher), build the mesh over `jax.devices()` (all hosts' devices), and give
-`shard_batch` the global batch, which every process makes alike (data/pipeline.py): each hands
-its own devices their rows. tests/integration/test_multihost.py runs two real processes.
+Multi-host: start the processes first (distributed.py, `maybe_initialize_distributed`), build
+the mesh over `jax.devices()` (all hosts' devices), and give `shard_batch` the global batch,
+which every process makes alike (data/pipeline.py): each hands its own devices their rows.
+tests/integration/test_multihost.py runs two real processes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
-import glob
-import logging
 import math
-import os
-import sys
-import threading
 
 import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
-
-from mtp_jax.config.base import DISTRIBUTED_MODES  # config.mesh.distributed
-
-log = logging.getLogger(__name__)
 
 AXES = ("data", "fsdp", "tensor")
 
@@ -184,162 +174,3 @@ def active_spec(logical_axes: tuple):
     return None
   mesh, logical_rules = active
   return mesh, nn.logical_to_mesh_axes(logical_axes, logical_rules)
-
-
-def sync_processes(name: str) -> None:
-  """Waits until every process of the run reaches the barrier `name` (nothing in one process)."""
-  if jax.process_count() > 1:
-    import orbax.checkpoint as ocp
-    ocp.multihost.sync_global_processes(name)
-
-
-def _on_cloud_tpu() -> bool:
-  """TPU chips on this VM's PCI bus (what JAX itself looks at), without starting a backend:
-  jax.distributed must come first."""
-  try:
-    from jax._src import hardware_utils
-    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-  except Exception:  # (a private module: fall back to the nodes)
-    return bool(glob.glob("/dev/accel*") or os.environ.get("TPU_WORKER_HOSTNAMES"))
-
-
-# Where a launcher says how many processes it started (JAX's own variable, Slurm's srun, Open
-# MPI's mpirun): a process count > 1 in any of them is a multi-process launch. Slurm's is the job
-# step's (srun -n 2), not SLURM_NTASKS: a batch script runs once in an allocation of many tasks.
-LAUNCHER_COUNT_VARS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")  # JAX finds the rest
-LAUNCH_COUNT_VARS = ("JAX_NUM_PROCESSES",) + LAUNCHER_COUNT_VARS
-
-
-def launched_processes(variables: tuple[str, ...] = LAUNCH_COUNT_VARS) -> int:
-  """How many processes the launcher of this one started (1 when none of `variables` says):
-  what a tool that runs in one process only (generate, evaluate) checks, without starting
-  jax.distributed."""
-  for var in variables:
-    try:
-      n = int(os.environ.get(var, "") or 1)
-    except ValueError:
-      continue
-    if n > 1:
-      return n
-  return 1
-
-
-def refuse_multiprocess(tool: str) -> None:
-  """ValueError for a tool that runs in one process when a launcher started several: each
-  process would run the whole job and write the same files."""
-  n = launched_processes()
-  if n > 1:
-    raise ValueError(f"{tool} runs in one process, but its launcher started {n} (srun -n, "
-                     "mpirun or JAX_NUM_PROCESSES); run it as a single process (srun -n 1) on one "
-                     "host, which decodes or evaluates over that host's devices")
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-  """What `jax.distributed.initialize` is given: None lets JAX find it (Slurm, Open MPI, Cloud
-  TPU)."""
-  coordinator_address: str | None
-  num_processes: int | None
-  process_id: int | None
-
-
-def _env_int(var: str) -> int | None:
-  value = os.environ.get(var, "").strip()
-  if not value:
-    return None
-  try:
-    return int(value)
-  except ValueError:
-    raise ValueError(f"{var}: must be an integer, got {value!r}") from None
-
-
-def cluster_from(mesh: ml_collections.ConfigDict) -> Cluster:
-  """The coordinator, process count and process id from config.mesh, else from
-  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (JAX 0.10 itself reads only the
-  address); ValueError naming the field or variable for a bad or missing value."""
-  address = mesh.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "").strip()
-  where = "config.mesh.coordinator_address" if mesh.coordinator_address else \
-      "JAX_COORDINATOR_ADDRESS"
-  n, n_name = ((mesh.num_processes, "config.mesh.num_processes") if mesh.num_processes
-               else (_env_int("JAX_NUM_PROCESSES"), "JAX_NUM_PROCESSES"))
-  pid, pid_name = ((mesh.process_id, "config.mesh.process_id") if mesh.process_id >= 0
-                   else (_env_int("JAX_PROCESS_ID"), "JAX_PROCESS_ID"))
-  if address:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-      raise ValueError(f"{where}: must be HOST:PORT (port 1-65535), got {address!r}")
-  if n is not None and n < 1:
-    raise ValueError(f"{n_name}: must be >= 1, got {n}")
-  if pid is not None and n is not None and not 0 <= pid < n:
-    raise ValueError(f"{pid_name}: must be in [0, {n}) ({n_name} = {n}), got {pid}")
-  detected = launched_processes(LAUNCHER_COUNT_VARS) > 1  # JAX reads the rest from Slurm / MPI
-  if address and not detected and (n is None or pid is None) and not _on_cloud_tpu():
-    missing = " and ".join(name for v, name in ((n, "JAX_NUM_PROCESSES / config.mesh."
-                                                    "num_processes"),
-                                                (pid, "JAX_PROCESS_ID / config.mesh.process_id"))
-                           if v is None)
-    raise ValueError(f"{missing}: required with a coordinator address ({where} = {address!r}) "
-                     "when no launcher (Slurm, Open MPI, Cloud TPU) gives it")
-  if (n is not None or pid is not None) and not address and not detected:
-    raise ValueError(f"{where}: required with {n_name if n is not None else pid_name} "
-                     "(HOST:PORT of process 0, the same for every process)")
-  return Cluster(address or None, n, pid)
-
-
-def maybe_initialize_distributed(mesh: ml_collections.ConfigDict) -> bool:
-  """Starts `jax.distributed` for a multi-process run as config.mesh asks; returns whether it
-  did. Call it before anything touches a device (the mesh, the data pipeline).
-
-  mesh.distributed "off": never. "on": always. "auto": when a launch is evident: a coordinator
-  address (config.mesh.coordinator_address or JAX_COORDINATOR_ADDRESS), more than one process
-  announced by Slurm (srun -n: SLURM_STEP_NUM_TASKS), Open MPI or JAX_NUM_PROCESSES, or TPU
-  chips on the PCI bus; otherwise a plain single process (a one-host TPU VM gets a one-process
-  cluster, which changes nothing). The coordinator, process count and id come from config.mesh
-  or the JAX_* variables (`cluster_from`), else JAX finds them (Slurm, Open MPI, Cloud TPU).
-
-  `mesh.distributed_timeout_s` bounds both waits: for every process to arrive at start-up
-  (past it: one line saying so and exit status 5, not a hang), and for a
-  peer's heartbeat during the run (past it JAX ends every surviving process with a line naming
-  the lost task).
-  """
-  if mesh.distributed not in DISTRIBUTED_MODES:
-    raise ValueError(f"config.mesh.distributed: got {mesh.distributed!r}, allowed: "
-                     + ", ".join(map(repr, DISTRIBUTED_MODES)))
-  if mesh.distributed == "off" or jax.distributed.is_initialized():
-    return False
-  cluster = cluster_from(mesh)
-  if mesh.distributed == "auto" and not (cluster.coordinator_address or
-                                         launched_processes() > 1 or _on_cloud_tpu()):
-    return False
-  timeout = int(mesh.distributed_timeout_s)
-  # JAX's own deadline ends the process with a C++ stack trace; this one says what happened
-  # first, in one line, and leaves JAX's a few seconds later as a fallback.
-  watchdog = threading.Timer(timeout, _never_arrived, args=(cluster, timeout))
-  watchdog.daemon = True
-  watchdog.start()
-  try:
-    jax.distributed.initialize(
-        coordinator_address=cluster.coordinator_address, num_processes=cluster.num_processes,
-        process_id=cluster.process_id, initialization_timeout=timeout + 10,
-        heartbeat_timeout_seconds=timeout)
-  finally:
-    watchdog.cancel()
-  log.info("jax.distributed: process %d of %d, %d local / %d global devices",
-           jax.process_index(), jax.process_count(), jax.local_device_count(),
-           jax.device_count())
-  return True
-
-
-# Exit status of a process whose peers did not all arrive in time (train.py's other statuses:
-# 2 bad input, 3 non-finite, 4 checkpoint failure).
-EXIT_PEERS_MISSING = 5
-
-
-def _never_arrived(cluster: Cluster, timeout: int) -> None:
-  who = (f"process {cluster.process_id}" if cluster.process_id is not None else "this process")
-  of = f" of {cluster.num_processes}" if cluster.num_processes else ""
-  at = cluster.coordinator_address or "the coordinator JAX found"
-  print(f"error: config.mesh.distributed_timeout_s: {who}{of} waited {timeout} s at {at} and "
-        "not every process arrived; start all of them with the same coordinator address and "
-        "process count, each with its own process id", file=sys.stderr, flush=True)
-  os._exit(EXIT_PEERS_MISSING)

@@ -28,7 +28,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mtp_jax import acceptance, cli
+from mtp_jax import acceptance, cli, distributed
 from mtp_jax import flops as flops_lib
 from mtp_jax import loss as loss_lib
 from mtp_jax import sharding as shard_lib
@@ -127,21 +127,21 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   its inputs first (`check_inputs`)."""
   t_start = time.time()
   check_inputs(config, workdir)
-  shard_lib.maybe_initialize_distributed(config.mesh)  # before anything touches a device
+  distributed.maybe_initialize_distributed(config.mesh)  # before anything touches a device
   # Process 0 alone writes the run's files and prints; every process writes its own rows' log.
   process, n_processes = jax.process_index(), jax.process_count()
   primary = process == 0
   # Process 0 builds the data set where it is missing (a corpus's tfds build) before the others
   # open it: several builders of one folder collide. Hosts with their own disks each build.
   if not primary:
-    shard_lib.sync_processes("mtp_jax_train_data_built")
+    distributed.sync_processes("mtp_jax_train_data_built")
   train_it = pipeline.make_iterator(config, "train")
   next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now, not at eval
   if primary:
-    shard_lib.sync_processes("mtp_jax_train_data_built")
+    distributed.sync_processes("mtp_jax_train_data_built")
   workdir_lib.check_resume(config, workdir)
   os.makedirs(workdir, exist_ok=True)
-  shard_lib.sync_processes("mtp_jax_train_checked")  # all have read config.json before it changes
+  distributed.sync_processes("mtp_jax_train_checked")  # all have read config.json before it changes
   if primary:
     workdir_lib.write_config(config, workdir)
 

@@ -38,7 +38,7 @@ from mtp_jax import config as config_lib  # noqa: E402
 from mtp_jax.decoding import decode as decode_lib  # noqa: E402
 from mtp_jax import loss as loss_lib  # noqa: E402
 from mtp_jax import optimizer as optim_lib  # noqa: E402
-from mtp_jax import sharding as shard_lib  # noqa: E402
+from mtp_jax import distributed, sharding as shard_lib  # noqa: E402
 from mtp_jax import steps as train_lib  # noqa: E402
 from mtp_jax.checkpoint import Checkpointer  # noqa: E402
 from mtp_jax.model import build_model  # noqa: E402
@@ -345,7 +345,7 @@ def check_errors(results):
       "vocab_61_on_tensor_2": lambda: _shardings(_vocab61()),
       "batch_12_on_8_rows": lambda: shard_lib.check_batch(
           _batch12(), shard_lib.make_mesh(make_config(mesh=(8, 1, 1)))),
-      "distributed_bad_mode": lambda: shard_lib.maybe_initialize_distributed(
+      "distributed_bad_mode": lambda: distributed.maybe_initialize_distributed(
           _mesh_fields(distributed="maybe")),
   }.items():
     try:
@@ -353,7 +353,7 @@ def check_errors(results):
       errs[name] = None
     except ValueError as e:
       errs[name] = str(e)
-  errs["distributed_off_returns"] = shard_lib.maybe_initialize_distributed(
+  errs["distributed_off_returns"] = distributed.maybe_initialize_distributed(
       _mesh_fields(distributed="off"))
   results["errors"] = errs
   print("errors", errs, flush=True)

@@ -228,7 +228,7 @@ LAYERS = [
                "mtp_jax.acceptance"]),
     ("data", ["mtp_jax.data"]),
     ("validation", ["mtp_jax.config.validation"]),  # asks the head and corpus registries
-    ("runs", ["mtp_jax.workdir", "mtp_jax.metrics", "mtp_jax.aot"]),
+    ("runs", ["mtp_jax.workdir", "mtp_jax.metrics", "mtp_jax.aot", "mtp_jax.distributed"]),
     ("decoding", ["mtp_jax.decoding"]),
     ("tools", ["mtp_jax.train", "mtp_jax.generate", "mtp_jax.evaluate", "mtp_jax.evaluation",
                "mtp_jax.convert", "mtp_jax.sweeps"]),

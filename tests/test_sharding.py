@@ -158,14 +158,6 @@ def test_mesh_must_match_devices_here(make_config):
     shard_lib.mesh_shape(c, 8)
 
 
-def test_distributed_off_does_nothing(make_config):
-  c = make_config()
-  c.mesh.distributed = "off"
-  c.mesh.coordinator_address, c.mesh.num_processes, c.mesh.process_id = "h:1", 2, 1
-  assert shard_lib.maybe_initialize_distributed(c.mesh) is False
-  assert not jax.distributed.is_initialized()
-
-
 SMALL = ("--set", "model.vocab_size=256", "--set", "model.d_model=64", "--set", "model.n_heads=4",
          "--set", "model.n_kv_heads=4", "--set", "model.d_ff=128", "--set", "model.n_layers=6",
          "--set", "model.max_len=64", "--set", "data.seq_len=64", "--set", "loss.token_chunks=2",

@@ -33,7 +33,7 @@ import numpy as np
 from absl import flags, logging
 
 from mtp_jax import acceptance, cli
-from mtp_jax import sharding as shard_lib
+from mtp_jax import distributed
 from mtp_jax.evaluation import code_tasks
 from mtp_jax.decoding import sampling
 from mtp_jax.evaluation import sandbox
@@ -223,7 +223,8 @@ def run(opts: dict, out=None) -> dict:
     tf = decoding["teacher_forced"]
     mode = "sampled" if opts["temperature"] > 0 else "greedy"
     lines.append(f"alpha_k measured {decoding['alpha_by_position']}"
-                 + (f"; teacher-forced {tf[f'alpha_{mode}']} (a <= {tf[f'a_bound_{mode}']})"
+                 + (f"; teacher-forced {tf[f'alpha_{mode}']} (a estimated "
+                    f"{acceptance.estimate(tf, mode)})"
                     if f"alpha_{mode}" in tf else ""))
   if "vs_greedy" in decoding:
     v = decoding["vs_greedy"]
@@ -375,7 +376,7 @@ def main(argv=None) -> int:
     argv = ["--help"]
   try:
     fv = cli.parse(argv, define_flags, prog="python -m mtp_jax.evaluate", usage=__doc__)
-    shard_lib.refuse_multiprocess("python -m mtp_jax.evaluate")
+    distributed.refuse_multiprocess("python -m mtp_jax.evaluate")
     opts = check_flags(fv)
     refusal = sandbox.check_confinement(opts["allow_unconfined"])
     if refusal:

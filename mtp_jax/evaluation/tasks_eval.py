@@ -30,7 +30,7 @@ import numpy as np
 from absl import flags
 
 from mtp_jax import cli
-from mtp_jax import sharding as shard_lib
+from mtp_jax import distributed
 from mtp_jax import workdir as workdir_lib
 from mtp_jax.data import corpus
 from mtp_jax.data import tasks
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
   try:
     fv = cli.parse(argv, _define, prog="python -m mtp_jax.evaluation.tasks_eval",
                            usage="\n\n".join(__doc__.split("\n\n")[:2]), required=("workdir",))
-    shard_lib.refuse_multiprocess("python -m mtp_jax.evaluation.tasks_eval")
+    distributed.refuse_multiprocess("python -m mtp_jax.evaluation.tasks_eval")
     result = score_workdir(fv.workdir, batch_size=fv.batch_size, limit=fv.limit)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

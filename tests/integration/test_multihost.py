@@ -23,7 +23,7 @@ from conftest import copy_code_corpus
 import test_golden
 
 from mtp_jax import config as config_lib
-from mtp_jax import sharding as shard_lib
+from mtp_jax import distributed
 from mtp_jax import steps as steps_lib
 from mtp_jax import workdir as workdir_lib
 from mtp_jax.data import pipeline
@@ -243,7 +243,7 @@ def test_a_peer_that_never_arrives_is_one_line_not_a_hang(corpus, tmp_path):
   t0 = time.time()
   p = subprocess.run(train_cmd(corpus, tmp_path / "w", "--config.mesh.distributed_timeout_s=3"),
                      env=env, capture_output=True, text=True, timeout=120)
-  assert p.returncode == shard_lib.EXIT_PEERS_MISSING, p.stderr[-2000:]
+  assert p.returncode == distributed.EXIT_PEERS_MISSING, p.stderr[-2000:]
   assert time.time() - t0 < 60
   lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
   assert lines == [
@@ -281,7 +281,7 @@ def test_bad_launch_values_name_the_field(monkeypatch, env, fields, message):
   for k, v in env.items():
     monkeypatch.setenv(k, v)
   with pytest.raises(ValueError) as e:
-    shard_lib.maybe_initialize_distributed(_mesh(**fields))
+    distributed.maybe_initialize_distributed(_mesh(**fields))
   assert str(e.value).startswith(message), str(e.value)
 
 
@@ -289,9 +289,9 @@ def test_config_fields_win_over_the_environment(monkeypatch):
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "envhost:1")
   monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
   monkeypatch.setenv("JAX_PROCESS_ID", "3")
-  got = shard_lib.cluster_from(_mesh(coordinator_address="cfg:2", num_processes=2, process_id=1))
-  assert got == shard_lib.Cluster("cfg:2", 2, 1)
-  assert shard_lib.cluster_from(_mesh()) == shard_lib.Cluster("envhost:1", 4, 3)
+  got = distributed.cluster_from(_mesh(coordinator_address="cfg:2", num_processes=2, process_id=1))
+  assert got == distributed.Cluster("cfg:2", 2, 1)
+  assert distributed.cluster_from(_mesh()) == distributed.Cluster("envhost:1", 4, 3)
 
 
 @pytest.mark.parametrize("module", ["mtp_jax.generate", "mtp_jax.evaluate",

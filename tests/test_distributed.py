@@ -1,0 +1,126 @@
+"""Starting a multi-process run (mtp_jax/distributed.py) without starting one: the GPUs each
+Slurm layout hands `jax.distributed.initialize` (which is replaced here by a recorder), and the
+"off" mode. A real two-process run is in tests/integration/test_multihost.py."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from mtp_jax import config as config_lib
+from mtp_jax import distributed
+
+# Every variable the launch reads; each test starts from none of them.
+LAUNCH_VARS = (
+    "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS",
+    "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_NUM_NODES", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE",
+    "SLURM_GPUS_PER_TASK", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
+
+
+def _slurm_task(nodes: int, tasks_per_node: int, node: int, local: int, **extra) -> dict:
+  """The variables srun gives task `local` on node `node` of a step over `nodes` nodes."""
+  return dict(
+      SLURM_JOB_ID="42", SLURM_STEP_NODELIST=f"gpu[001-{nodes:03d}]",
+      SLURM_NTASKS=str(nodes * tasks_per_node), SLURM_STEP_NUM_TASKS=str(nodes * tasks_per_node),
+      SLURM_PROCID=str(node * tasks_per_node + local), SLURM_LOCALID=str(local),
+      SLURM_NODEID=str(node), SLURM_STEP_NUM_NODES=str(nodes),
+      SLURM_STEP_TASKS_PER_NODE=f"{tasks_per_node}(x{nodes})", **extra)
+
+
+# (name, the task's variables, the local device ids it must hand over)
+LAYOUTS = [
+    # srun --nodes=2 --ntasks-per-node=8 --gpus-per-task=1: Slurm binds one GPU per task, which
+    # the task sees as device 0 (CUDA_VISIBLE_DEVICES=0 under cgroups, its own index without).
+    ("task_per_gpu", _slurm_task(2, 8, 1, 5, SLURM_GPUS_PER_TASK="1", CUDA_VISIBLE_DEVICES="0",
+                                 SLURM_STEP_GPUS="5", SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"), [0]),
+    ("task_per_gpu_no_cgroup", _slurm_task(2, 8, 0, 3, SLURM_GPUS_PER_TASK="h100:1",
+                                           CUDA_VISIBLE_DEVICES="3"), [0]),
+    # srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8: one task sees all the node's GPUs.
+    ("task_per_node", _slurm_task(2, 1, 1, 0, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7",
+                                  SLURM_STEP_GPUS="0,1,2,3,4,5,6,7"), list(range(8))),
+    ("task_per_node_gpus_per_task", _slurm_task(2, 1, 0, 0, SLURM_GPUS_PER_TASK="8",
+                                                CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"),
+     list(range(8))),
+    # --ntasks-per-node=8 --gpus-per-node=8 --gpu-bind=none: every task sees all 8 (JAX's case).
+    ("tasks_share_the_gpus", _slurm_task(1, 8, 0, 6, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"),
+     [6]),
+    # Two tasks per node, four GPUs each, both seeing all eight.
+    ("two_tasks_share_eight", _slurm_task(1, 2, 0, 1, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"),
+     [4, 5, 6, 7]),
+    # No CUDA_VISIBLE_DEVICES: Slurm's own indices are CUDA's ordinals.
+    ("slurm_gpus_only", _slurm_task(1, 2, 0, 1, SLURM_STEP_GPUS="2,3"), [3]),
+    # CPU runs under Slurm (tests/slurm) and GPU hints on a CPU run: JAX's own choice.
+    ("cpu_slurm", _slurm_task(1, 2, 0, 1), None),
+    ("cpu_platform", _slurm_task(1, 1, 0, 0, CUDA_VISIBLE_DEVICES="0,1", JAX_PLATFORMS="cpu"),
+     None),
+    ("no_gpu", _slurm_task(1, 1, 0, 0, CUDA_VISIBLE_DEVICES="NoDevFiles"), None),
+    ("user_ids", _slurm_task(1, 1, 0, 0, CUDA_VISIBLE_DEVICES="0,1", JAX_LOCAL_DEVICE_IDS="1"),
+     None),
+    # mpirun -np 4 on a node whose four GPUs every rank sees.
+    ("open_mpi", dict(OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_SIZE="4",
+                      OMPI_COMM_WORLD_LOCAL_RANK="2", CUDA_VISIBLE_DEVICES="0,1,2,3"), [2]),
+]
+
+
+@pytest.fixture
+def launch(monkeypatch):
+  """Sets a task's variables and records what `jax.distributed.initialize` is given."""
+  calls = []
+  for var in LAUNCH_VARS:
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setattr(distributed, "_on_cloud_tpu", lambda: False)
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+
+  def run(env: dict):
+    for k, v in env.items():
+      monkeypatch.setenv(k, v)
+    mesh = config_lib.base_config().mesh
+    mesh.distributed, mesh.distributed_timeout_s = "on", 30
+    assert distributed.maybe_initialize_distributed(mesh) is True
+    assert len(calls) == 1
+    return calls[0]
+  return run
+
+
+@pytest.mark.parametrize("name,env,want", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_each_slurm_layout_hands_jax_its_own_gpus(launch, name, env, want):
+  kwargs = launch(env)
+  assert kwargs["local_device_ids"] == want, name
+  # The rest is left to JAX's Slurm / Open MPI detection, bounded by the timeout.
+  assert (kwargs["coordinator_address"], kwargs["num_processes"], kwargs["process_id"]) == (
+      None, None, None)
+  assert kwargs["heartbeat_timeout_seconds"] == 30
+
+
+def test_every_task_per_gpu_takes_device_0_and_shared_gpus_are_split(launch, monkeypatch):
+  """All 16 tasks of a 2-node step with one GPU per task name device 0, the only one each sees;
+  8 tasks that all see a node's 8 GPUs drive each of them once."""
+  per_gpu = set()
+  for node in range(2):
+    for local in range(8):
+      for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+      env = _slurm_task(2, 8, node, local, SLURM_GPUS_PER_TASK="1", CUDA_VISIBLE_DEVICES="0")
+      for k, v in env.items():
+        monkeypatch.setenv(k, v)
+      per_gpu.add(tuple(distributed.local_device_ids()))
+  assert per_gpu == {(0,)}
+  monkeypatch.delenv("SLURM_GPUS_PER_TASK")
+  shared = []
+  for local in range(8):
+    for k, v in _slurm_task(1, 8, 0, local, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7").items():
+      monkeypatch.setenv(k, v)
+    shared += distributed.local_device_ids()
+  assert sorted(shared) == list(range(8))
+
+
+def test_distributed_off_does_nothing(make_config):
+  c = make_config()
+  c.mesh.distributed = "off"
+  c.mesh.coordinator_address, c.mesh.num_processes, c.mesh.process_id = "h:1", 2, 1
+  assert distributed.maybe_initialize_distributed(c.mesh) is False
+  assert not jax.distributed.is_initialized()

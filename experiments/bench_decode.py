@@ -32,8 +32,9 @@ cost model picks for the cell), `auto_tree` (--heads auto --tree auto). Each rec
 
   alpha_by_position   P(draft j accepted | drafts < j accepted), measured while decoding (by
                depth, for a tree); acceptance_by_position: P(at least j drafts accepted)
-  a_bound      chains: 1 + alpha_2 + alpha_2 alpha_3 + ... (Leviathan et al.) from the
-               teacher-forced alpha_k of this mode, set beside the measured a
+  a_estimate_teacher_forced   chains: 1 + alpha_2 + alpha_2 alpha_3 + ... (Leviathan et al.)
+               from the teacher-forced alpha_k of this mode, set beside the measured a: an
+               estimate, not a bound (the measured a can exceed it; mtp_jax.acceptance)
 
 Also (`teacher_forced`, in every record and the first line): on the same held-out text, the
 agreement of head k with head 1 and the per-position alpha_k greedy and sampled (mtp_jax.acceptance:
@@ -80,11 +81,11 @@ def heldout_prompts(loaded, n: int, length: int, seed: int = 0) -> list[np.ndarr
 
 def teacher_forced(loaded, batches: int = 4) -> dict:
   """On validation text (`train.validation_metrics`): head k's argmax against head 1's at the
-  same target ("agreement", per head), and alpha_k greedy and sampled with the a they give."""
+  same target ("agreement", per head), and alpha_k greedy and sampled with the a they estimate."""
   m = train.validation_metrics(jax.jit(steps_lib.make_eval_step(loaded.model, loaded.config)),
                                loaded.params, loaded.config, None, batches=batches)
   return {"agreement": np.asarray(m["head_agree"]).round(4).tolist(),
-          **acceptance.from_metrics(m)}
+          **acceptance.from_metrics(m, legacy=False)}
 
 
 def parse_variants(text: str, n_future: int) -> list[dict]:
@@ -261,10 +262,11 @@ def main(argv=None):
   print(f"step {loaded.step}, {loaded.model.args.head_kind} heads, "
         f"{args.max_new_tokens} new tokens per row, {args.reps} timed calls per variant after a "
         f"warm-up, {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}); "
-        f"teacher-forced, heads 2..n: alpha greedy {tf['alpha_greedy']} (a <= "
-        f"{tf['a_bound_greedy']}), sampled {tf['alpha_sampled']} (a <= {tf['a_bound_sampled']})",
+        f"teacher-forced, heads 2..n: alpha greedy {tf['alpha_greedy']} (a estimated "
+        f"{acceptance.estimate(tf, 'greedy')}), sampled {tf['alpha_sampled']} (a estimated "
+        f"{acceptance.estimate(tf, 'sampled')})",
         flush=True)
-  print("| mode | batch | prompt | variant | heads | tree | a | a bound | a (batch) | T1 ms | "
+  print("| mode | batch | prompt | variant | heads | tree | a | a est. (tf) | a (batch) | T1 ms | "
         "Tc ms | T1 fwd ms | Tk fwd ms | overhead ms | S measured (band) | S predicted | "
         "identical |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -284,16 +286,17 @@ def main(argv=None):
                    cycle_overhead_seconds=r["Tc"] - cost["forward_k"],
                    plain_overhead_seconds=r["T1"] - cost["forward_1"])
           r["off_by"] = r["S_predicted"] / r["S_measured"] - 1
-          r["a_bound"] = (None if r["tree"] else  # the chain's first heads - 1 alphas
+          r["a_estimate_teacher_forced"] = (None if r["tree"] else  # first heads - 1 alphas
                           acceptance.leviathan_a(tf[f"alpha_{r['mode']}"][:r["heads"] - 1]))
           if r["auto"]:  # what auto predicted when it chose, before decoding (pessimistic a)
             r["S_predicted_auto"] = r["auto"]["S_predicted"]
             r["off_by_auto"] = r["S_predicted_auto"] / r["S_measured"] - 1
           records.append(r)
           lo, hi = r["S_band"]
+          est = r["a_estimate_teacher_forced"]
           print(f"| {r['mode']} | {batch} | {plen} | {r['variant']} | {r['heads']} | "
                 f"{r['tree'] or '-'} | {r['a']:.2f} | "
-                f"{'-' if r['a_bound'] is None else format(r['a_bound'], '.2f')} | "
+                f"{'-' if est is None else format(est, '.2f')} | "
                 f"{r['a_batch']:.2f} | "
                 f"{1e3 * r['T1']:.1f} | {1e3 * r['Tc']:.1f} | {1e3 * cost['forward_1']:.1f} | "
                 f"{1e3 * cost['forward_k']:.1f} | {1e3 * r['cycle_overhead_seconds']:.1f} | "

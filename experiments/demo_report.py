@@ -37,6 +37,11 @@ def _heads(summary: dict, metric: str) -> list[float]:
   return out
 
 
+def _estimate(summary: dict, mode: str) -> float:
+  """The teacher-forced estimate of a (mtp_jax.acceptance.ESTIMATE), or its old name's value."""
+  return summary.get(f"eval/a_estimate_teacher_forced_{mode}", summary.get(f"eval/a_bound_{mode}"))
+
+
 def _fmt(values, digits: int = 3) -> str:
   return "  ".join(f"{v:.{digits}f}" for v in values)
 
@@ -55,8 +60,8 @@ def report(summary: dict, rows: list[dict], aot: dict | None = None) -> str:
     if alpha["greedy"]:
       for m in ("greedy", "sampled"):
         lines.append(f"teacher-forced alpha_k {m}, heads 2-{len(agree)} (P(draft k accepted | "
-                     f"drafts < k)): {_fmt(alpha[m])}; tokens per cycle they give "
-                     f"{summary[f'eval/a_bound_{m}']:.2f}")
+                     f"drafts < k)): {_fmt(alpha[m])}; tokens per cycle they estimate "
+                     f"{_estimate(summary, m):.2f}")
     else:
       lines.append(f"teacher-forced acceptance, heads 2-{len(agree)} (argmax equals head 1's): "
                    f"{_fmt(agree[1:])}")

@@ -10,10 +10,11 @@ Base: the source with heads 2..n restarted (`distill_heads.make_base`); distille
 of the source, built once. One run (init_from base, trainable heads; same steps, batch, seq len,
 lr) per objective x data x seed, a workdir each under --root, finished runs kept and their scores
 cached (rerun to continue). Every model is scored on the source corpus's validation split
-(`train.validation_metrics`: alpha_k greedy / sampled, a_bound = `acceptance.leviathan_a`) and by
-self-speculative decoding (a chain of all heads) of held-out prompts, greedy (asserted equal to
-plain greedy) and sampled, per batch size: a, a_batch, P(>= j drafts pass), alpha_j. Per arm:
-mean, spread (max - min), std over seeds; a markdown table, a verdict, --json and NAME.png.
+(`train.validation_metrics`: alpha_k greedy / sampled, the a they estimate by
+`acceptance.leviathan_a`) and by self-speculative decoding (a chain of all heads) of held-out
+prompts, greedy (asserted equal to plain greedy) and sampled, per batch size: a, a_batch,
+P(>= j drafts pass), alpha_j. Per arm: mean, spread (max - min), std over seeds; a markdown table,
+a verdict, --json and NAME.png.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import jax
 import numpy as np
 
 from experiments import bench_decode, common, distill_heads
+from mtp_jax import acceptance
 from mtp_jax import config as config_lib
 from mtp_jax import heads as heads_lib
 from mtp_jax import sharding as shard_lib
@@ -104,8 +106,9 @@ def stats(values) -> dict:
 
 
 def flatten(run: dict) -> dict:
-  """A run's figures: {"tf/<eval figure>": ..., "decode/<mode>_b<B>/<figure>": ...}."""
-  return {**{f"tf/{k}": v for k, v in run["eval"].items()},
+  """A run's figures: {"tf/<eval figure>": ..., "decode/<mode>_b<B>/<figure>": ...} (the
+  teacher-forced estimate of a under its current name, in runs scored before too)."""
+  return {**{f"tf/{acceptance.renamed(k)}": v for k, v in run["eval"].items()},
           **{f"decode/{c}/{k}": v for c, figs in run["decode"].items() for k, v in figs.items()}}
 
 
@@ -153,7 +156,7 @@ def table(arms: dict, base: dict | None) -> str:
   fmt = lambda v: "-" if v is None else (" / ".join(f"{x:.3f}" for x in v) if isinstance(
       v, list) else f"{v:.3f}")
   cols = [("tf alpha greedy", "tf/alpha_greedy"), ("tf alpha sampled", "tf/alpha_sampled"),
-          ("tf a_bound sampled", "tf/a_bound_sampled"),
+          ("tf a est. sampled", f"tf/{acceptance.ESTIMATE}_sampled"),
           ("head1 loss - base", "tf/head1_loss_minus_base"), ("greedy a b1", "decode/greedy_b1/a"),
           ("sampled a b1", VERDICT_METRIC), ("its seed spread", f"{VERDICT_METRIC}#spread"),
           ("sampled alpha_j b1", "decode/sampled_b1/alpha_by_position")]

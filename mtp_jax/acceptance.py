@@ -1,4 +1,5 @@
-"""Per-position acceptance alpha_k, the way self-speculative decoding sees it, and what it bounds.
+"""Per-position acceptance alpha_k, the way self-speculative decoding sees it, and the a it
+estimates.
 
 alpha_k = P(draft k accepted | drafts 2..k-1 accepted), for the heads k = 2..n that draft (head 1
 verifies). Three sources, one meaning:
@@ -16,19 +17,43 @@ verifies). Three sources, one meaning:
   accepted per cycle, P(>= j passed) / P(>= j - 1 passed).
 
 `leviathan_a`: the expected tokens per cycle these give (Leviathan et al. 2023, eq. 1 with one
-alpha per position): 1 + alpha_2 + alpha_2 alpha_3 + ... A bound on the measured a where drafts
-are independent of the window's earlier tokens, and of the teacher-forced prefix; set beside the
-measured a (bench_decode, evaluate, the training's eval lines).
+alpha per position): 1 + alpha_2 + alpha_2 alpha_3 + ... From teacher-forced alphas it is an
+estimate of the measured a, not a bound (`a_estimate_teacher_forced_<mode>`): free-running drafts
+see the model's own accepted tokens, not the data's, and acceptance is correlated across
+positions and cycles (a row in an easy stretch accepts everything, for many cycles), so the
+i.i.d. positions the formula assumes do not hold and the measured a can exceed it (greedy a 2.03
+to 2.13 at batch 1 against 1.80 to 1.88 in experiments/results/heads_objectives.json;
+docs/decoding.md). Set beside
+the measured a (bench_decode, evaluate, the training's eval lines). Records written before the
+rename carry it as `a_bound_<mode>`: `estimate` and `renamed` read both.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 
 MODES = ("greedy", "sampled")
 PNG = "acceptance.png"  # in a training workdir: alpha_k over the run's evals
+ESTIMATE = "a_estimate_teacher_forced"  # f"{ESTIMATE}_{mode}": leviathan_a of teacher-forced alphas
+LEGACY = "a_bound"  # its old name, in results written before (and train.validation_metrics' pick)
+
+
+def renamed(key: str) -> str:
+  """A record's key under the estimate's current name (".../a_bound_greedy" ->
+  ".../a_estimate_teacher_forced_greedy"); other keys as they are."""
+  return re.sub(rf"(^|/){LEGACY}_(?={'|'.join(MODES)})", rf"\g<1>{ESTIMATE}_", key)
+
+
+def estimate(record: dict, mode: str, prefix: str = "") -> float | None:
+  """The teacher-forced estimate of a for `mode` in a record (prefix: "eval/" in a summary),
+  under its name or its old one; None where it has neither."""
+  for name in (ESTIMATE, LEGACY):
+    if f"{prefix}{name}_{mode}" in record:
+      return float(record[f"{prefix}{name}_{mode}"])
+  return None
 
 
 def leviathan_a(alphas) -> float:
@@ -55,15 +80,19 @@ def from_hist(accepted_hist) -> list[float]:
           for j in range(1, len(h))]
 
 
-def from_metrics(metrics: dict) -> dict:
-  """{"alpha_greedy": [...], "a_bound_greedy": x, (and _sampled)} for heads 2..n, from eval
-  metrics holding head_alpha_<mode> arrays (what `loss.summarise` gives); modes absent skipped."""
+def from_metrics(metrics: dict, legacy: bool = True) -> dict:
+  """{"alpha_greedy": [...], "a_estimate_teacher_forced_greedy": x, (and _sampled)} for heads
+  2..n, from eval metrics holding head_alpha_<mode> arrays (what `loss.summarise` gives); modes
+  absent skipped. legacy: the estimate also under its old name, a_bound_<mode>, the key
+  train.validation_metrics keeps (by that prefix) until it reads the new one."""
   out = {}
   for mode in MODES:
     if f"head_alpha_{mode}" in metrics:
       alphas = np.asarray(metrics[f"head_alpha_{mode}"], np.float64)[1:]
       out[f"alpha_{mode}"] = [round(float(a), 4) for a in alphas]
-      out[f"a_bound_{mode}"] = round(leviathan_a(alphas), 4)
+      out[f"{ESTIMATE}_{mode}"] = round(leviathan_a(alphas), 4)
+      if legacy:
+        out[f"{LEGACY}_{mode}"] = out[f"{ESTIMATE}_{mode}"]
   return out
 
 
@@ -77,7 +106,7 @@ def from_summary(summary: dict, prefix: str = "eval/") -> dict:
       k += 1
     if alphas:
       out[f"head_alpha_{mode}"] = [1.0] + alphas
-  return from_metrics(out)
+  return from_metrics(out, legacy=False)
 
 
 def plot_run(workdir: str, metrics_file: str = "metrics.jsonl", min_evals: int = 1) -> str | None:
@@ -107,11 +136,12 @@ def plot_run(workdir: str, metrics_file: str = "metrics.jsonl", min_evals: int =
     for j in range(len(rows[-1][1][f"alpha_{mode}"])):
       ax.plot(steps, [r[f"alpha_{mode}"][j] for _, r in rows], style, marker="o", ms=3,
               color=f"C{j}", label=f"head {j + 2}, {mode}")
-    bx.plot(steps, [r[f"a_bound_{mode}"] for _, r in rows], style, marker="o", ms=3,
+    bx.plot(steps, [r[f"{ESTIMATE}_{mode}"] for _, r in rows], style, marker="o", ms=3,
             color="k", label=mode)
   ax.set(xlabel="step", ylabel="alpha_k (teacher-forced)", ylim=(0, 1),
          title="P(draft k accepted | drafts < k accepted)")
-  bx.set(xlabel="step", ylabel="1 + a2 + a2 a3 + ...", title="tokens per cycle (Leviathan)")
+  bx.set(xlabel="step", ylabel="1 + a2 + a2 a3 + ...",
+         title="tokens per cycle, estimated (Leviathan)")
   for a in (ax, bx):
     a.grid(alpha=0.3)
     a.legend(fontsize=7)

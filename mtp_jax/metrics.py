@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mtp_jax import acceptance
 from mtp_jax.backends.cpu.cpuinfo import cpu_model_name
 from mtp_jax import workdir as workdir_lib
 
@@ -144,8 +145,9 @@ class MetricsWriter:
             f"[{_fmt_heads(m['head_acc'])}] agree [{_fmt_heads(m['head_agree'])}]")
     for mode in ("greedy", "sampled"):  # heads 2..n (acceptance.py), with the a they give
       if f"head_alpha_{mode}" in m and len(m[f"head_alpha_{mode}"]) > 1:
-        line += (f" alpha {mode} [{_fmt_heads(m[f'head_alpha_{mode}'][1:])}] a <= "
-                 f"{float(m[f'a_bound_{mode}']):.2f}")
+        line += f" alpha {mode} [{_fmt_heads(m[f'head_alpha_{mode}'][1:])}]"
+        a = acceptance.estimate(m, mode)
+        line += "" if a is None else f" a ~ {a:.2f} (estimate)"
     return line
 
   def close(self):

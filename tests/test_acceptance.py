@@ -1,5 +1,5 @@
 """Per-position acceptance alpha_k (mtp_jax.acceptance): the greedy chain count against a
-hand-worked example, the sampled 1 - TV against numpy, the Leviathan bound, and the measured
+hand-worked example, the sampled 1 - TV against numpy, the Leviathan estimate, and the measured
 alphas of a decode's histogram."""
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ def test_greedy_alpha_counts_a_chain_hand_worked():
   np.testing.assert_allclose(m["head_alpha_greedy"], [1.0, 0.75, 0.5])
   np.testing.assert_allclose(m["head_agree"], [1.0, 0.75, 2 / 3])
   acc = acceptance.from_metrics(m)
-  assert acc == {"alpha_greedy": [0.75, 0.5], "a_bound_greedy": 1 + 0.75 + 0.75 * 0.5}
+  est = 1 + 0.75 + 0.75 * 0.5
+  assert acc == {"alpha_greedy": [0.75, 0.5], "a_estimate_teacher_forced_greedy": est,
+                 "a_bound_greedy": est}  # the old name, for train.validation_metrics' pick
+  assert acceptance.from_metrics(m, legacy=False) == {"alpha_greedy": [0.75, 0.5],
+                                                      "a_estimate_teacher_forced_greedy": est}
 
 
 def _reference_sampled(h, w, tokens, seg):
@@ -72,7 +76,7 @@ def test_sampled_alpha_is_one_minus_tv_and_carries_no_gradient(chunks, frozen, o
   np.testing.assert_array_equal(jax.grad(loss)(h, True), jax.grad(loss)(h, False))
 
 
-def test_leviathan_bound_and_measured_alphas():
+def test_leviathan_estimate_and_measured_alphas():
   assert acceptance.leviathan_a([]) == 1.0
   assert acceptance.leviathan_a([0.5, 0.5]) == 1.75
   assert acceptance.leviathan_a([1.0, 1.0, 1.0]) == 4.0  # every draft passes: k tokens a cycle
@@ -80,10 +84,22 @@ def test_leviathan_bound_and_measured_alphas():
   assert acceptance.from_hist([2, 1, 1]) == [0.5, 0.5]
   assert acceptance.from_hist([3, 0, 0]) == [0.0, 0.0]  # never reached: 0, not NaN
   np.testing.assert_allclose(acceptance.conditional([0.5, 0.25]), [0.5, 0.5])
-  # the bound from a histogram's own alphas is its mean tokens per cycle, m + 1 for m drafts
+  # the estimate from a histogram's own alphas is its mean tokens per cycle, m + 1 for m drafts
   hist = np.asarray([5, 3, 2, 6])
   mean = (hist * np.arange(1, 5)).sum() / hist.sum()
   assert acceptance.leviathan_a(acceptance.from_hist(hist)) == pytest.approx(mean, abs=1e-3)
   flat = {"eval/head2_alpha_greedy": 0.5, "eval/head3_alpha_greedy": 0.25, "step": 3}
   assert acceptance.from_summary(flat) == {"alpha_greedy": [0.5, 0.25],
-                                           "a_bound_greedy": 1.625}
+                                           "a_estimate_teacher_forced_greedy": 1.625}
+
+
+def test_the_estimate_read_under_its_old_name_too():
+  """Records written before the rename carry the estimate as a_bound_<mode>: read either."""
+  old = {"eval/a_bound_greedy": 1.8, "a_bound_sampled": 1.9}
+  assert acceptance.estimate(old, "greedy", "eval/") == 1.8
+  assert acceptance.estimate(old, "sampled") == 1.9 and acceptance.estimate(old, "greedy") is None
+  new = {"a_estimate_teacher_forced_greedy": 2.0, "a_bound_greedy": 1.0}
+  assert acceptance.estimate(new, "greedy") == 2.0  # the current name first
+  assert acceptance.renamed("eval/a_bound_greedy") == "eval/a_estimate_teacher_forced_greedy"
+  assert acceptance.renamed("a_bound_sampled") == "a_estimate_teacher_forced_sampled"
+  assert acceptance.renamed("eval/head2_alpha_greedy") == "eval/head2_alpha_greedy"

@@ -60,6 +60,8 @@ def test_aggregate_and_verdict_against_the_seed_spread():
   assert f["mean"] == pytest.approx(1.71) and f["spread"] == pytest.approx(0.02)
   assert f["std"] == pytest.approx(0.0141421, rel=1e-4) and f["n"] == 2
   assert arms["ce|distilled"]["figures"]["tf/alpha_greedy"]["mean"] == [1.0, 0.5, 0.4]
+  old = dict(runs[0], eval={"a_bound_sampled": 1.9})  # scored before the estimate's rename
+  assert ho.flatten(old)["tf/a_estimate_teacher_forced_sampled"] == 1.9
   lines = ho.verdict(arms)
   assert lines[0].startswith("stdlib: best decode/sampled_b1/a is tv")
   assert "exceeds the seed-to-seed spread" in lines[0]

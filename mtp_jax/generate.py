@@ -9,11 +9,13 @@ are rows of that batch (row i * num_samples + s is sample s of prompt i, seeded 
 --temperature 0 (the default) is greedy; > 0 samples (then top-k, then top-p), and speculative
 mode is speculative sampling, distributed exactly as plain sampling from head 1. --heads auto
 picks the k of highest predicted speed-up for this batch (plain decoding where speculation
-would lose); --tree SPEC|dynamic:N|auto drafts a tree (docs/decoding.md). Prints each completion
-and one line of figures: tokens, forwards, tokens per forward, seconds. `--mode both` also runs
-plain decoding (head 1), times each mode after its own warm-up --reps times, and reports the
-median speed-up with its noise band ("about the same" when the band holds 1); greedy, whether
-the outputs are identical (they must be); sampled, both modes' samples, labelled (their tokens
+would lose), and keeps what it measured in $MTP_JAX_CACHE/timings (~/.cache/mtp_jax/timings;
+MTP_JAX_CACHE=off: nowhere), so a later call on this machine and model decides at once;
+--tree SPEC|dynamic:N|auto drafts a tree (docs/decoding.md). Prints each completion and one
+line of figures: tokens, forwards, tokens per forward, seconds. `--mode both` also runs plain
+decoding (head 1), times each mode after its own warm-up --reps times, and reports the median
+speed-up with its noise band ("about the same" when the band holds 1); greedy, whether the
+outputs are identical (they must be); sampled, both modes' samples, labelled (their tokens
 differ; the distribution is the same).
 """
 
@@ -33,7 +35,7 @@ from mtp_jax import cli
 from mtp_jax import distributed
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.decoding import sampling as sampling_lib
-from mtp_jax.decoding import speed
+from mtp_jax.decoding import speed, timing_cache
 from mtp_jax.workdir import Loaded, load_workdir  # noqa: F401  (generate.load_workdir)
 
 
@@ -100,7 +102,7 @@ def run(workdir: str, texts: list[str], *, max_new_tokens: int, mode: str, heads
     runs["greedy"] = lambda: plain(prompts, **kw)
   auto = None
   if mode in ("speculative", "both"):
-    k, tree_, auto = decode_lib.resolve(loaded.params, args, prompts,
+    k, tree_, auto = decode_lib.resolve(loaded.params, args, prompts, disk=timing_cache.default(),
                                         max_new_tokens=max_new_tokens, k=heads, tree=tree, **kw)
     spec = decode_lib.Decoder(loaded.params, args, k=k, tree=tree_, **shape)
     runs["speculative"] = lambda: spec(prompts, **kw)
@@ -128,9 +130,12 @@ def run(workdir: str, texts: list[str], *, max_new_tokens: int, mode: str, heads
                             for r in range(len(prompts))]}
   if auto is not None:
     report["auto"] = auto
+    cached = (f"its probe and timings {auto['measured_seconds']:.1f}s, kept in {auto['cache']}"
+              if auto["measured_seconds"] else f"read from {auto['cache']}") if auto["cache"] \
+        else f"its probe and timings {auto['measured_seconds']:.1f}s"
     print(f"auto: heads {auto['heads']}, tree {auto['tree'] or 'none (a chain)'}, predicted "
           f"speed-up {auto['S_predicted']:.2f}x (a {auto['a_predicted']:.2f}; deciding took "
-          f"{auto['seconds']:.1f}s)", file=out)
+          f"{auto['seconds']:.1f}s: {cached})", file=out)
   for name, r in results.items():  # sampled, "greedy" is plain sampling with head 1
     print(figures_line(names[name], r), file=out)
     report[name] = {"tokens": int(r.lengths.sum()), "forwards": r.forwards,

@@ -1,0 +1,121 @@
+"""The disk cache of what heads="auto" measured (mtp_jax.decoding.timing_cache): a second
+session on the same machine and model decides without probing or timing and picks the same;
+a corrupt file is a warning, not a crash; the key follows batch and model shape. Every test
+uses its own tmp directory (MTP_JAX_CACHE set by monkeypatch), never the user's cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+from conftest import random_params, tiny_config
+
+from mtp_jax.decoding import costmodel, timing_cache
+from mtp_jax.decoding import decode as decode_lib
+from mtp_jax.decoding import session as session_lib
+from mtp_jax.model import build_model
+
+PAD = 59
+PROMPTS = [[3, 4, 5], [9, 4, 12, 6, 33, 3]]
+
+
+@pytest.fixture(scope="module")
+def model():
+  c = tiny_config("parallel", n_future=3)
+  c.model.max_len = 64
+  m = build_model(c)
+  return m.args, random_params(m, seed=3)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+  monkeypatch.setenv(timing_cache.ENV, str(tmp_path))
+  return timing_cache.default()
+
+
+@pytest.fixture
+def counted(monkeypatch):
+  """Counts probes run and windows timed (timings faked: cheap windows, so a chain can win)."""
+  calls = {"probes": 0, "windows": 0}
+  run_probe = session_lib.Session._run_probe
+
+  def probe(self, *a, **kw):
+    calls["probes"] += 1
+    return run_probe(self, *a, **kw)
+
+  def forward_times(params, args, trees, **kw):
+    calls["windows"] += len(trees)
+    return {t: 1.0 + 0.01 * t.k for t in trees}
+
+  monkeypatch.setattr(session_lib.Session, "_run_probe", probe)
+  monkeypatch.setattr(costmodel, "forward_times", forward_times)
+  return calls
+
+
+def test_default_root_follows_the_env(tmp_path, monkeypatch):
+  monkeypatch.setenv(timing_cache.ENV, str(tmp_path))
+  assert timing_cache.default().root == os.path.join(str(tmp_path), "timings")
+  monkeypatch.setenv(timing_cache.ENV, "off")
+  assert timing_cache.default() is None
+
+
+def test_a_warm_cache_decides_without_probing(model, cache, counted):
+  args, params = model
+  kw = dict(max_new_tokens=16, k="auto", tree=None, eos_id=-1, pad_id=PAD)
+  first = decode_lib.resolve(params, args, PROMPTS, disk=cache, **kw)
+  assert counted["probes"] == 2 and counted["windows"] > 0  # the chain of all heads, and plain
+  assert first[2]["measured_seconds"] > 0 and first[2]["cache"] == cache.root
+  seen = dict(counted)
+  second = decode_lib.resolve(params, args, PROMPTS, disk=timing_cache.default(), **kw)
+  assert counted == seen  # nothing probed or timed: all read from the files
+  assert second[:2] == first[:2] and second[2]["measured_seconds"] == 0
+  assert second[2]["table"] == first[2]["table"]
+  # Other params of the same shape accept differently: probed again; the timings are kept.
+  shifted = jax.tree.map(lambda x: x * 1.01, params)
+  assert timing_cache.fingerprint(shifted) != timing_cache.fingerprint(params)
+  decode_lib.resolve(shifted, args, PROMPTS, disk=cache, **kw)
+  assert counted["probes"] == seen["probes"] + 2 and counted["windows"] == seen["windows"]
+
+
+def test_a_corrupt_file_is_ignored_with_a_warning(model, cache, counted, caplog):
+  args, params = model
+  kw = dict(max_new_tokens=16, k="auto", tree=None, eos_id=-1, pad_id=PAD)
+  first = decode_lib.resolve(params, args, PROMPTS, disk=cache, **kw)
+  names = sorted(os.listdir(cache.root))
+  assert names and all(n.endswith(".json") for n in names)
+  for n in names:  # every entry broken: half a JSON
+    with open(os.path.join(cache.root, n), "w") as f:
+      f.write('{"key": ')
+  seen = dict(counted)
+  with caplog.at_level(logging.WARNING):
+    again = decode_lib.resolve(params, args, PROMPTS, disk=cache, **kw)
+  assert "timing cache: ignoring" in caplog.text
+  assert counted["probes"] == seen["probes"] + 2 and again[:2] == first[:2]
+  third = decode_lib.resolve(params, args, PROMPTS, disk=cache, **kw)  # rewritten: read again
+  assert third[2]["measured_seconds"] == 0
+  key = {"what": "x"}
+  cache.put(key, 1.5)
+  with open(cache.path(key), "w") as f:
+    f.write('{"key": {"what": "y"}, "value": 2.0}')  # another key's entry under this name
+  assert cache.get(key) is None
+
+
+def test_the_key_changes_with_batch_and_model_shape(model, cache):
+  args, params = model
+  s = session_lib.Session(params, args, disk=cache)
+  k1 = s._key("forward", batch=1, context=40, window="1,1", reps=11)
+  assert k1 == s._key("forward", batch=1, context=40, window="1,1", reps=11)
+  assert cache.path(k1) != cache.path(s._key("forward", batch=8, context=40, window="1,1",
+                                             reps=11))
+  wider = dataclasses.replace(args, d_model=args.d_model * 2)
+  assert timing_cache.model_shape(wider) != timing_cache.model_shape(args)
+  k2 = session_lib.Session(params, wider, disk=cache)._key("forward", batch=1, context=40,
+                                                           window="1,1", reps=11)
+  assert cache.path(k2) != cache.path(k1)
+  assert timing_cache.prompt_bucket(1) == 32 and timing_cache.prompt_bucket(33) == 64
+  assert timing_cache.fingerprint(params) == timing_cache.fingerprint(
+      jax.tree.map(np.array, params))  # a copy of the same weights

@@ -22,6 +22,10 @@ cost model picks for the cell), `auto_tree` (--heads auto --tree auto). Each rec
   S_measured   median plain seconds / median variant seconds, same tokens; S_band: the lowest
                and highest ratio of any two timed calls; verdict: faster / slower / about the
                same (the band holds 1)
+  auto_decision_seconds, auto_decision_seconds_cached   auto only: what choosing took on a cold
+               timing cache (a fresh directory: probes and timed forwards) and again on the
+               same cache, warm (a new session reading it); S_with_decision(_cached): median
+               plain seconds / (median auto seconds + that decision), S counting the decision
   S_predicted  a_batch * T1_fwd / Tk_fwd: the cost model, from a one-token and a k-token (tree:
                N-node) cached forward timed on their own, outside any loop (the in-loop
                a * T1 / Tc would equal S_measured by construction)
@@ -50,6 +54,8 @@ if __name__ == "__main__":  # before JAX starts: the CPU defaults (docs/cpu_spee
 import argparse
 import json
 import os
+import tempfile
+import time
 
 import jax
 import numpy as np
@@ -58,7 +64,7 @@ from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import acceptance, train
 from mtp_jax import steps as steps_lib
 from experiments import common
-from mtp_jax.decoding import speed
+from mtp_jax.decoding import speed, timing_cache
 from mtp_jax.data import corpus
 from mtp_jax.workdir import load_workdir
 
@@ -116,8 +122,15 @@ def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None):
   ids = dict(eos_id=-1, pad_id=loaded.tokenizer.pad_id, **(sample_kw or {}))
   decoders = {"plain": (decode_lib.Decoder(loaded.params, args, k=1, **shape), None)}
   for v in variants:
-    k, tree, auto = decode_lib.resolve(loaded.params, args, prompts, max_new_tokens=max_new,
-                                       k=v["k"], tree=v["tree"], **ids)
+    with tempfile.TemporaryDirectory() as d:  # auto: a cold timing cache, then the same warm
+      disk, seconds = timing_cache.DiskCache(d), []
+      for _ in range(2 if v["k"] == "auto" or v["tree"] == "auto" else 1):
+        t0 = time.perf_counter()
+        k, tree, auto = decode_lib.resolve(loaded.params, args, prompts, max_new_tokens=max_new,
+                                           k=v["k"], tree=v["tree"], disk=disk, **ids)
+        seconds.append(time.perf_counter() - t0)
+    if auto:
+      auto.update(decision_seconds=seconds[0], decision_seconds_cached=seconds[-1])
     decoders[v["name"]] = (decode_lib.Decoder(loaded.params, args, k=k, tree=tree, **shape),
                            auto)
   timed = speed.time_modes({name: (lambda d=d: d(prompts, **ids))
@@ -150,6 +163,12 @@ def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None):
         "speculative_compile_seconds": dec.compile_seconds,
         "_tree": dec.tree,
     })
+    if auto:  # auto's decision (probe and timings) on a cold cache, and on the same warm one
+      base, spec = records[-1]["greedy_seconds"], records[-1]["speculative_seconds"]
+      records[-1].update(auto_decision_seconds=auto["decision_seconds"],
+                         auto_decision_seconds_cached=auto["decision_seconds_cached"],
+                         S_with_decision=base / (spec + auto["decision_seconds"]),
+                         S_with_decision_cached=base / (spec + auto["decision_seconds_cached"]))
   return records
 
 
@@ -172,6 +191,9 @@ def calibration(records) -> dict:
                   + (f" tree {r['tree']}" if r["tree"] else ""),
                   "S_measured": r["S_measured"], "S_band": r["S_band"],
                   "S_predicted_auto": r["S_predicted_auto"], "off_by_auto": r["off_by_auto"],
+                  **{f: r.get(f) for f in ("S_with_decision", "S_with_decision_cached",
+                                           "auto_decision_seconds",
+                                           "auto_decision_seconds_cached")},
                   "plain": r["heads"] == 1,
                   "holds": bool(r["heads"] == 1 or r["S_measured"] >= 0.97
                                 or r["S_band"][1] >= 1.0)}
@@ -294,13 +316,16 @@ def main(argv=None):
           records.append(r)
           lo, hi = r["S_band"]
           est = r["a_estimate_teacher_forced"]
+          with_decision = (f"; with deciding {r['S_with_decision']:.2f}, cached "
+                           f"{r['S_with_decision_cached']:.2f}" if r["auto"] else "")
           print(f"| {r['mode']} | {batch} | {plen} | {r['variant']} | {r['heads']} | "
                 f"{r['tree'] or '-'} | {r['a']:.2f} | "
                 f"{'-' if est is None else format(est, '.2f')} | "
                 f"{r['a_batch']:.2f} | "
                 f"{1e3 * r['T1']:.1f} | {1e3 * r['Tc']:.1f} | {1e3 * cost['forward_1']:.1f} | "
                 f"{1e3 * cost['forward_k']:.1f} | {1e3 * r['cycle_overhead_seconds']:.1f} | "
-                f"{r['S_measured']:.2f} ({lo:.2f}-{hi:.2f}) | {r['S_predicted']:.2f} | "
+                f"{r['S_measured']:.2f} ({lo:.2f}-{hi:.2f}){with_decision} | "
+                f"{r['S_predicted']:.2f} | "
                 f"{r['identical']} |", flush=True)
         if args.json:  # after every cell: a long grid cut short keeps what it measured
           os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -87,15 +87,21 @@ class Checkpointer:
   `save` is asynchronous when `async_save` is set: it returns once the arrays are copied to
   host, and the files are written in the background. Call `wait()` before exiting (the SIGTERM
   path: `save(step, state, it, force=True)` then `wait()`), or `close()`.
+
+  `timeout_s` (config.mesh.distributed_timeout_s) bounds, with several processes, the barriers
+  of this class and the wait of an async save's commit for the other processes. orbax's own
+  barriers inside a save are collectives over the devices, with no timeout of their own; a dead
+  peer there ends the run through JAX's heartbeat, after the same time.
   """
 
   def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
-               save_interval_steps: int = 1):
+               save_interval_steps: int = 1, timeout_s: int | None = None):
     if keep < 1:
       raise ValueError(f"Checkpointer keep must be at least 1, got {keep}.")
     # orbax refuses relative paths, and only in its background commit: make it absolute here.
     self.directory = epath.Path(os.path.abspath(os.path.expanduser(str(directory))))
     self._barrier = itertools.count()
+    self._timeout_s = timeout_s
     self._pending_step: int | None = None
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
@@ -104,6 +110,8 @@ class Checkpointer:
         # Temporary folders are saves that never committed, not checkpoints anyone saved.
         cleanup_tmp_directories=True,
         create=True,
+        # The wait of an async save's commit for the other processes' (orbax: 20 minutes).
+        **({"async_options": ocp.AsyncOptions(timeout_secs=int(timeout_s))} if timeout_s else {}),
     )
     self._mgr = ocp.CheckpointManager(
         self.directory,
@@ -267,7 +275,12 @@ class Checkpointer:
         if not target.exists():
           break
       source.rename(target)
-    ocp.multihost.sync_global_processes(f"mtp_jax_checkpoint_move_aside_{next(self._barrier)}")
+    name = f"mtp_jax_checkpoint_move_aside_{next(self._barrier)}"
+    if self._timeout_s:  # the coordination service's barrier, which has a timeout
+      ocp.multihost.sync_global_processes(name, timeout=int(self._timeout_s),
+                                          processes=set(range(jax.process_count())))
+    else:
+      ocp.multihost.sync_global_processes(name)
     self._mgr.reload()
 
   def _corrupt_folders(self) -> list[str]:

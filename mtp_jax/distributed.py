@@ -22,11 +22,54 @@ from mtp_jax.config.base import DISTRIBUTED_MODES  # config.mesh.distributed
 log = logging.getLogger(__name__)
 
 
-def sync_processes(name: str) -> None:
-  """Waits until every process of the run reaches the barrier `name` (nothing in one process)."""
-  if jax.process_count() > 1:
-    import orbax.checkpoint as ocp
-    ocp.multihost.sync_global_processes(name)
+class PeerLost(RuntimeError):
+  """Another process of the run stopped answering: a barrier passed its timeout, or JAX's
+  coordination service or a collective said a peer is gone. One line naming what failed."""
+
+
+def sync_processes(name: str, timeout_s: int, others: str = "") -> None:
+  """Waits until every process of the run reaches the barrier `name` (nothing in one process),
+  at most `timeout_s` (config.mesh.distributed_timeout_s); past it PeerLost, naming the barrier
+  and what the processes not there were doing (`others`). JAX's coordination service keeps the
+  barrier, not a collective over the devices (orbax's default, which has no timeout)."""
+  if jax.process_count() == 1:
+    return
+  import orbax.checkpoint as ocp
+  try:
+    ocp.multihost.sync_global_processes(name, timeout=int(timeout_s),
+                                        processes=set(range(jax.process_count())))
+  except RuntimeError as e:
+    raise PeerLost(
+        f"config.mesh.distributed_timeout_s: barrier {name!r} ({int(timeout_s)} s) failed in "
+        f"process {jax.process_index()} of {jax.process_count()}: not every process arrived in "
+        f"time{' (' + others + ')' if others else ''}: "
+        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
+
+
+# What JAX's coordination service (heartbeats, barriers, preemption sync) and its CPU collectives
+# (gloo) write in the errors they raise when a peer process is gone or late.
+_PEER_MARKERS = ("heartbeat", "barrier timed out", "coordination service", "/job:jax_worker",
+                 "gloo", "connection closed by peer", "connection reset by peer",
+                 "preemption sync")
+
+
+def lost_peer(error: BaseException) -> str | None:
+  """One line saying how a peer process was lost, if `error` or an error it was raised from
+  (its causes and contexts) says so; None otherwise (a checkpoint's own failure, say)."""
+  stack, seen = [error], set()
+  while stack:
+    e = stack.pop()
+    if e is None or id(e) in seen:
+      continue
+    seen.add(id(e))
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if isinstance(e, PeerLost):
+      return lines[0] if lines else "a peer process was lost"
+    hit = next((line for line in lines if any(m in line.lower() for m in _PEER_MARKERS)), None)
+    if hit:
+      return hit
+    stack += [e.__context__, e.__cause__]
+  return None
 
 
 def _on_cloud_tpu() -> bool:
@@ -211,10 +254,10 @@ def maybe_initialize_distributed(mesh: ml_collections.ConfigDict) -> bool:
   cluster, which changes nothing). The coordinator, process count and id come from config.mesh
   or the JAX_* variables (`cluster_from`), else JAX finds them (Slurm, Open MPI, Cloud TPU).
 
-  `mesh.distributed_timeout_s` bounds both waits: for every process to arrive at start-up
-  (past it: one line saying so and exit status 5, not a hang), and for a
-  peer's heartbeat during the run (past it JAX ends every surviving process with a line naming
-  the lost task).
+  `mesh.distributed_timeout_s` bounds the waits: for every process to arrive at start-up
+  (past it: one line saying so and exit status 5, not a hang), for a peer's heartbeat during
+  the run (past it JAX ends every surviving process with a line naming the lost task), and, given
+  to them by the caller, the barriers (`sync_processes`, the Checkpointer's).
   """
   if mesh.distributed not in DISTRIBUTED_MODES:
     raise ValueError(f"config.mesh.distributed: got {mesh.distributed!r}, allowed: "
@@ -244,9 +287,11 @@ def maybe_initialize_distributed(mesh: ml_collections.ConfigDict) -> bool:
   return True
 
 
-# Exit status of a process whose peers did not all arrive in time (train.py's other statuses:
-# 2 bad input, 3 non-finite, 4 checkpoint failure).
+# Exit statuses of a multi-process run's failures (train.py's others: 2 bad input, 3 non-finite,
+# 4 checkpoint failure): 5, not every process arrived at start-up; 6, a peer was lost during the
+# run (PeerLost, or an error that `lost_peer` recognises).
 EXIT_PEERS_MISSING = 5
+EXIT_PEER_LOST = 6
 
 
 def _never_arrived(cluster: Cluster, timeout: int) -> None:

@@ -7,7 +7,8 @@ drives are in steps.py, what it reports goes through metrics.MetricsWriter. Reru
 command resumes from the latest good checkpoint in DIR/checkpoints with the data iterator where
 it was, so an interrupted run ends with the same params as an uninterrupted one (`params_sha256`
 in DIR/summary.json). Exit status: 0 done, 2 bad input (one line on stderr), 3 non-finite
-training stopped, 4 checkpoint failure.
+training stopped, 4 checkpoint failure; with several processes, 5 not every process arrived at
+start-up and 6 a peer process lost during the run (each one line on stderr).
 """
 
 from __future__ import annotations
@@ -133,15 +134,18 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   primary = process == 0
   # Process 0 builds the data set where it is missing (a corpus's tfds build) before the others
   # open it: several builders of one folder collide. Hosts with their own disks each build.
+  timeout = config.mesh.distributed_timeout_s  # bounds every barrier (distributed.py)
+  building = "process 0 builds a missing data set first: prepare it beforehand if that is slow"
   if not primary:
-    distributed.sync_processes("mtp_jax_train_data_built")
+    distributed.sync_processes("mtp_jax_train_data_built", timeout, building)
   train_it = pipeline.make_iterator(config, "train")
   next(iter(pipeline.make_iterator(config, "validation", repeat=False)))  # fail now, not at eval
   if primary:
-    distributed.sync_processes("mtp_jax_train_data_built")
+    distributed.sync_processes("mtp_jax_train_data_built", timeout, building)
   workdir_lib.check_resume(config, workdir)
   os.makedirs(workdir, exist_ok=True)
-  distributed.sync_processes("mtp_jax_train_checked")  # all have read config.json before it changes
+  # All have read config.json before it changes.
+  distributed.sync_processes("mtp_jax_train_checked", timeout, "opening the data")
   if primary:
     workdir_lib.write_config(config, workdir)
 
@@ -150,7 +154,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   training = steps_lib.build_training(config, mesh)
   model, batch_sh, train_step = training.model, training.batch_sharding, training.step
   ckpt = Checkpointer(workdir_lib.checkpoints_dir(workdir), keep=config.train.keep_checkpoints,
-                      async_save=config.train.async_checkpoints)
+                      async_save=config.train.async_checkpoints, timeout_s=timeout)
   restored = ckpt.restore_latest(training.abstract_state(), train_it)
   if restored is None and config.train.init_from:  # a new run from imported or trained params
     state = workdir_lib.init_state_from(model, training.tx, config, mesh, config.train.init_from)
@@ -281,7 +285,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 def cli_main(flags_) -> int:
   """Exit status: 0 done, 2 bad input (one line on stderr), 3 non-finite training stopped,
-  4 checkpoint failure."""
+  4 checkpoint failure, 5 not every process arrived (distributed.py), 6 a peer process lost."""
   try:
     summary = train(flags_.config, flags_.workdir)
   except ValueError as e:
@@ -290,8 +294,12 @@ def cli_main(flags_) -> int:
   except NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
-  except RuntimeError as e:  # a checkpoint that cannot be saved or restored
-    print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+  except RuntimeError as e:  # a peer gone, or a checkpoint that cannot be saved or restored
+    peer = distributed.lost_peer(e)
+    if peer:
+      print(f"error: lost a peer process: {peer}", file=sys.stderr)
+      return distributed.EXIT_PEER_LOST
+    print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
     return 4
   if jax.process_index() == 0:
     print(json.dumps({k: summary[k] for k in ("step", "params_sha256", "tokens_per_sec")}))

@@ -1,8 +1,11 @@
 """Starting a multi-process run (mtp_jax/distributed.py) without starting one: the GPUs each
-Slurm layout hands `jax.distributed.initialize` (which is replaced here by a recorder), and the
-"off" mode. A real two-process run is in tests/integration/test_multihost.py."""
+Slurm layout hands `jax.distributed.initialize` (which is replaced here by a recorder), the
+"off" mode, bounded barriers, and a lost peer told from a checkpoint failure (exit 6, not 4). A
+real two-process run is in tests/integration/test_multihost.py."""
 
 from __future__ import annotations
+
+import types
 
 import jax
 import pytest
@@ -124,3 +127,86 @@ def test_distributed_off_does_nothing(make_config):
   c.mesh.coordinator_address, c.mesh.num_processes, c.mesh.process_id = "h:1", 2, 1
   assert distributed.maybe_initialize_distributed(c.mesh) is False
   assert not jax.distributed.is_initialized()
+
+
+# Errors as JAX 0.10 and its gloo collectives raise them when a peer is gone or late (the lines
+# of their C++ sources), and as the Checkpointer wraps them.
+BARRIER = ("DEADLINE_EXCEEDED: Barrier timed out. Id: mtp_jax_train_checked. This usually happens "
+           "because a task triggered the barrier too early or too slowly.")
+HEARTBEAT = ("UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n"
+             "/job:jax_worker/replica:0/task:1\nThe tasks have crashed.")
+GLOO = ("INTERNAL: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:534] "
+        "Connection closed by peer [127.0.0.1]:40021")
+
+
+def _wrapped(message: str) -> RuntimeError:
+  try:
+    try:
+      raise jax.errors.JaxRuntimeError(message)
+    except RuntimeError as e:
+      raise RuntimeError(f"Saving checkpoint step 3 to /w/checkpoints failed: {e}") from e
+  except RuntimeError as e:
+    return e
+
+
+@pytest.mark.parametrize("error,line", [
+    (distributed.PeerLost("config.mesh.distributed_timeout_s: process 1 of 2 waited 9 s"),
+     "config.mesh.distributed_timeout_s: process 1 of 2 waited 9 s"),
+    (jax.errors.JaxRuntimeError(BARRIER), BARRIER),
+    (jax.errors.JaxRuntimeError(HEARTBEAT), HEARTBEAT.splitlines()[0]),
+    (jax.errors.JaxRuntimeError(GLOO), GLOO),
+    (_wrapped(GLOO), "Saving checkpoint step 3 to /w/checkpoints failed: " + GLOO),
+    (RuntimeError("Saving checkpoint step 3 to /w failed: [Errno 28] No space left on device"),
+     None),
+    (RuntimeError("Restoring /w/checkpoints: every step failed to restore"), None),
+])
+def test_a_lost_peer_is_told_from_a_checkpoint_failure(error, line):
+  assert distributed.lost_peer(error) == line
+
+
+@pytest.mark.parametrize("error,status,line", [
+    (jax.errors.JaxRuntimeError(BARRIER), distributed.EXIT_PEER_LOST,
+     "error: lost a peer process: " + BARRIER),
+    (_wrapped(HEARTBEAT), distributed.EXIT_PEER_LOST,
+     "error: lost a peer process: Saving checkpoint step 3 to /w/checkpoints failed: "
+     "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):"),
+    (RuntimeError("Saving checkpoint step 3 to /w failed: [Errno 28] No space left on device"), 4,
+     "error: Saving checkpoint step 3 to /w failed: [Errno 28] No space left on device"),
+])
+def test_train_exits_with_the_status_of_what_failed(monkeypatch, capsys, error, status, line):
+  from mtp_jax import train
+
+  def fail(config, workdir):
+    raise error
+  monkeypatch.setattr(train, "train", fail)
+  assert train.cli_main(types.SimpleNamespace(config=None, workdir="w")) == status
+  assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_a_barrier_is_bounded_and_its_timeout_names_the_field(monkeypatch):
+  import orbax.checkpoint as ocp
+  calls = []
+
+  def barrier(name, **kw):
+    calls.append((name, kw))
+    raise jax.errors.JaxRuntimeError(BARRIER)
+  monkeypatch.setattr(ocp.multihost, "sync_global_processes", barrier)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  with pytest.raises(distributed.PeerLost) as e:
+    distributed.sync_processes("mtp_jax_train_checked", 9, "opening the data")
+  # The coordination service's barrier (a process set), which takes a timeout; orbax's default
+  # (no process set) is a collective over the devices that has none.
+  assert calls == [("mtp_jax_train_checked", {"timeout": 9, "processes": {0, 1}})]
+  assert str(e.value) == (
+      "config.mesh.distributed_timeout_s: barrier 'mtp_jax_train_checked' (9 s) failed in "
+      "process 1 of 2: not every process arrived in time (opening the data): "
+      "DEADLINE_EXCEEDED: Barrier timed out. Id: mtp_jax_train_checked. This usually happens "
+      "because a task triggered the barrier too early or too slowly.")
+  assert distributed.lost_peer(e.value) == str(e.value)
+
+
+def test_one_process_has_no_barrier(monkeypatch):
+  import orbax.checkpoint as ocp
+  monkeypatch.setattr(ocp.multihost, "sync_global_processes", lambda *a, **k: 1 / 0)
+  distributed.sync_processes("anything", 1)

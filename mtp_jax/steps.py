@@ -258,7 +258,9 @@ def _relayout(pad: int, sharding: jax.sharding.NamedSharding):
 def relaid_for_hashing(leaf: jax.Array) -> tuple[jax.Array, int]:
   """`leaf` flattened in C order, zero-padded and sharded over its own devices so that each
   holds whole HASH_BLOCK blocks (device i the i-th run of them), and the blocks per device: a
-  jitted re-layout, its output sharded, never replicated on every device."""
+  jitted re-layout, its output sharded, never replicated on every device. XLA moves a leaf of a
+  block or more per device in parts (all-to-all, permutes); one of fewer blocks than devices
+  it may gather whole inside the program (XLA:CPU does: tests/test_params_hash.py)."""
   devices = sorted(leaf.sharding.device_set, key=lambda d: d.id)
   n_blocks = -(-leaf.size // HASH_BLOCK)
   per_device = -(-n_blocks // len(devices))
@@ -271,9 +273,12 @@ def relaid_for_hashing(leaf: jax.Array) -> tuple[jax.Array, int]:
 def _block_digests(leaf) -> list[bytes]:
   """sha256 of each HASH_BLOCK block of `leaf`'s C-order elements, in global order. A sharded
   leaf is hashed where it lies: each process hashes the blocks its devices hold after
-  `relaid_for_hashing` and only the 32-byte digests are gathered across processes."""
+  `relaid_for_hashing` and only the 32-byte digests are gathered across processes. A leaf
+  every device holds whole is hashed from this process's copy, with no program and no gather."""
   if not isinstance(leaf, jax.Array):
     return _block_digests_host(np.asarray(leaf))
+  if leaf.sharding.is_fully_replicated:  # every process holds it all already (a norm's scale)
+    return _block_digests_host(np.asarray(leaf.addressable_data(0)))
   if leaf.size == 0:
     return []
   n_blocks = -(-leaf.size // HASH_BLOCK)

@@ -25,7 +25,7 @@ def params() -> dict:
           "b": {"w": rng.standard_normal((8, 64, 130)).astype(jax.numpy.bfloat16)},
           "bias": np.arange(7, dtype=np.float32),
           "emb": rng.standard_normal((1024, 96)).astype(np.float32),
-          "big": rng.standard_normal((512, 640)).astype(np.float32)}
+          "big": rng.standard_normal((1024, 640)).astype(np.float32)}
 
 
 # Each leaf's PartitionSpec over the mesh (x=2, y=4), in three placements of the same values.
@@ -39,7 +39,7 @@ PLACEMENTS = {
 }
 
 CHILD = r"""
-import json, sys
+import json, math, re, sys
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 sys.path.insert(0, sys.argv[1])
@@ -57,10 +57,15 @@ for name, specs in PLACEMENTS.items():
   relaid = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(placed)[0]:
     r, per_device = steps.relaid_for_hashing(leaf)
+    hlo = steps._relayout(r.size - leaf.size, r.sharding).lower(leaf).compile().as_text()
+    moved = [sum(math.prod(int(d) for d in dims.split(",") if d)
+                 for dims in re.findall(r"\[([\d,]*)\]", m.group(1)))
+             for m in re.finditer(r"= (.*?) (?:all-gather|all-to-all|collective-permute|all-reduce)"
+                                  r"(?:-start)?\(", hlo)]
     relaid[jax.tree_util.keystr(path, simple=True, separator="/")] = {
         "replicated": r.sharding.is_fully_replicated, "devices": len(r.sharding.device_set),
         "shard_sizes": sorted({s.data.size for s in r.addressable_shards}),
-        "per_device": per_device}
+        "per_device": per_device, "size": leaf.size, "largest_collective": max(moved, default=0)}
   out[name + "/relaid"] = relaid
 print("RESULT " + json.dumps(out))
 """
@@ -83,6 +88,12 @@ def test_the_hash_is_the_same_on_one_device_and_sharded_over_eight():
       assert not r["replicated"] and r["devices"] == 8, (name, leaf, r)
       # Every device holds its own whole blocks.
       assert r["shard_sizes"] == [r["per_device"] * steps.HASH_BLOCK], (name, leaf, r)
+      # A leaf of a block or more per device is moved in parts (all-to-all, permutes, a gather
+      # over one mesh axis), never gathered whole onto a device. (XLA's partitioner does gather
+      # a smaller one whole, at most 8 x HASH_BLOCK elements here; one every device holds whole
+      # is hashed from a process's own copy, with no re-layout.)
+      if r["size"] >= 8 * steps.HASH_BLOCK:
+        assert r["largest_collective"] < r["size"], (name, leaf, r)
 
 
 def test_the_hash_sees_every_element_shape_and_dtype():
@@ -91,9 +102,9 @@ def test_the_hash_sees_every_element_shape_and_dtype():
   for change in ("value", "shape", "dtype"):
     p = params()
     if change == "value":
-      p["big"][511, 639] += 1  # the last element of the last block
+      p["big"][1023, 639] += 1  # the last element of the last block
     elif change == "shape":
-      p["big"] = p["big"].reshape(640, 512)
+      p["big"] = p["big"].reshape(640, 1024)
     else:
       p["bias"] = p["bias"].view(np.int32)  # the same bytes
     assert steps.params_sha256(p) != h, change

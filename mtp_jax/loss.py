@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -146,26 +147,33 @@ def divergence(teacher_BxTxV, logits_BxTxV, objective: str, lse_BxT=None):
   return 0.5 * jnp.sum(jnp.abs(p - jnp.exp(logits_BxTxV - lse_BxT[..., None])), axis=-1)
 
 
+class TokenStats(NamedTuple):
+  """A tile's (head's, heads') token sums and argmax by name; None where not computed."""
+  nll: jax.Array
+  zsq: jax.Array
+  pred: jax.Array
+  objective: jax.Array | None = None
+  tv: jax.Array | None = None
+
+
 def _token_stats(h_BxTxD, unembed_DxV, tgt_BxT, mask_BxT, vocab_size, dot=jax.lax.dot_general,
-                 teacher_BxTxD=None, objective="ce"):
-  """Summed NLL and summed lse^2 over the masked tokens, and the argmax, for one tile; with a
-  teacher's hidden states (stop-gradient) also the summed `divergence` from its distribution
-  (under a draft objective) and the summed total variation (a metric: no gradient)."""
+                 teacher_BxTxD=None, objective="ce") -> TokenStats:
+  """One tile's TokenStats; with a teacher's hidden states (stop-gradient) also the summed
+  `divergence` from its distribution (a draft objective) and total variation (no gradient)."""
   logits_BxTxV = _logits(h_BxTxD, unembed_DxV, vocab_size, dot)
   lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
   tgt_logit_BxT = jnp.take_along_axis(logits_BxTxV, tgt_BxT[..., None], axis=-1)[..., 0]
   m = mask_BxT.astype(jnp.float32)
   nll = jnp.sum((lse_BxT - tgt_logit_BxT) * m)
   zsq = jnp.sum(jnp.square(lse_BxT) * m)
-  out = nll, zsq, jnp.argmax(logits_BxTxV, axis=-1).astype(jnp.int32)
+  out = TokenStats(nll, zsq, jnp.argmax(logits_BxTxV, axis=-1).astype(jnp.int32))
   if teacher_BxTxD is None:
     return out
   teacher_BxTxV = _logits(teacher_BxTxD, jax.lax.stop_gradient(unembed_DxV), vocab_size, dot)
   div = lambda kind: jnp.sum(divergence(teacher_BxTxV, logits_BxTxV, kind, lse_BxT) * m)
   tv = div("tv")
-  if objective == "ce":
-    return *out, jax.lax.stop_gradient(tv)
-  return *out, (tv if objective == "tv" else div(objective)), jax.lax.stop_gradient(tv)
+  obj = None if objective == "ce" else (tv if objective == "tv" else div(objective))
+  return out._replace(objective=obj, tv=jax.lax.stop_gradient(tv))
 
 
 def head_token_counts(tokens_BxS, segment_ids_BxS, n_future: int):
@@ -193,15 +201,9 @@ def _head_sums(nll_N, zsq_N, pred_NxBxS, tgt_NxBxS, mask_NxBxS):
     passed_BxS = passed_BxS & agree_BxS
     chain.append(jnp.sum(passed_BxS & mask_NxBxS[k]))
   f32 = lambda xs: jnp.stack(xs).astype(jnp.float32)
-  return {
-      "nll": nll_N,
-      "zsq": zsq_N,
-      "correct": correct_N.astype(jnp.float32),
-      "agree": f32(agree),
-      "chain": f32(chain),
-      "chain_prev": f32(chain_prev),
-      "tokens": jnp.sum(mask_NxBxS, axis=(1, 2)).astype(jnp.float32),
-  }
+  return {"nll": nll_N, "zsq": zsq_N, "correct": correct_N.astype(jnp.float32),
+          "agree": f32(agree), "chain": f32(chain), "chain_prev": f32(chain_prev),
+          "tokens": jnp.sum(mask_NxBxS, axis=(1, 2)).astype(jnp.float32)}
 
 
 def weighted_loss(sums, weights_N, z_loss: float, count_N=None):
@@ -292,11 +294,11 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
     if C == 1:
       return None, stats(h_BxSxD, tgt_BxS, mask_BxS, *teacher)
     split = lambda a: jnp.moveaxis(a.reshape(B, C, S // C, *a.shape[2:]), 1, 0)
-    _, (nll_C, zsq_C, pred_CxBxT, *extra_C) = jax.lax.scan(
+    _, tiles_C = jax.lax.scan(
         jax.checkpoint(lambda _, t: (None, stats(*t)), policy=_SAVE_NOTHING), None,
         tuple(split(a) for a in (h_BxSxD, tgt_BxS, mask_BxS, *teacher)))
-    return None, (nll_C.sum(), zsq_C.sum(), jnp.moveaxis(pred_CxBxT, 0, 1).reshape(B, S),
-                  *(d.sum() for d in extra_C))
+    summed = jax.tree.map(lambda a: a.sum(0), tiles_C._replace(pred=None))
+    return None, summed._replace(pred=jnp.moveaxis(tiles_C.pred, 0, 1).reshape(B, S))
 
   def scan(*xs, W_DxV=unembed_DxV, Vn=V):
     body = jax.checkpoint(functools.partial(head, W_DxV=W_DxV, Vn=Vn), policy=_SAVE_NOTHING)
@@ -320,17 +322,18 @@ def mtp_sums(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, *, token_chunk
       place = place_V[part(tgt_NxBxS)]
       out = scan(h, jnp.maximum(place, 0), part(mask_NxBxS) & (place >= 0), *teacher,
                  W_DxV=unembed_DxV[:, draft_ids], Vn=len(draft_ids))
-      out = (out[0], out[1], draft_ids[out[2]], *out[3:])  # argmax back to ids
+      out = out._replace(pred=draft_ids[out.pred])  # argmax back to ids
     else:
       out = scan(h, part(tgt_NxBxS), part(mask_NxBxS), *teacher)
-    if draft and not lo:
-      out = (*out, *([out[0]] if objective != "ce" else []), jnp.zeros_like(out[0]))
+    if draft and not lo:  # head 1, no teacher: its objective is its NLL, its tv 0
+      out = out._replace(objective=out.nll if objective != "ce" else None,
+                         tv=jnp.zeros_like(out.nll))
     parts.append(out)
-  out = parts[0] if len(parts) == 1 else [jnp.concatenate(x) for x in zip(*parts)]
-  sums = _head_sums(*out[:3], tgt_NxBxS, mask_NxBxS)
+  out = parts[0] if len(parts) == 1 else jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
+  sums = _head_sums(out.nll, out.zsq, out.pred, tgt_NxBxS, mask_NxBxS)
   if not draft:
     return sums
-  return dict(sums, tv=out[-1], **({"objective": out[3]} if objective != "ce" else {}))
+  return dict(sums, tv=out.tv, **({"objective": out.objective} if objective != "ce" else {}))
 
 
 def naive_mtp_loss(h_NxBxSxD, unembed_DxV, tokens_BxS, segment_ids_BxS, weights_N, *,

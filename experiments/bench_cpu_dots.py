@@ -36,6 +36,7 @@ SHAPES = [  # (name, [M, K] x [K, N], lhs transposed: a weight gradient x^T dy)
     ("logits h[4096,256] @ U[256,384]", (4096, 256, 384), False),
 ]
 YNN_DOTS = {runtime.YNN_FUSION_OPTION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+SMOKE = {"reps": 2, "scale": 16}  # --smoke: the suite's run, every dimension / 16
 
 
 def main(argv=None):
@@ -43,10 +44,15 @@ def main(argv=None):
   ap.add_argument("--json", default=None, help="write the records here")
   ap.add_argument("--reps", type=int, default=15, help="timed calls per library and shape")
   ap.add_argument("--cpus", default="", help="run on these CPUs only, e.g. 0 (as bench_train)")
+  ap.add_argument("--scale", type=int, default=1, help="every dimension of every shape divided "
+                  "by this (the names keep the full shapes; m_k_n is what ran)")
+  common.add_flag_table(ap, [], SMOKE)
   args = ap.parse_args(argv)
-  from experiments.bench_train import _parse_cpus
+  common.apply_smoke(ap, args, SMOKE)
+  if args.scale < 1 or args.reps < 1:
+    ap.error(f"--scale, --reps: positive integers, got {args.scale}, {args.reps}")
   try:
-    cpus = _parse_cpus(args.cpus)
+    cpus = common.parse_cpus(args.cpus)
   except ValueError as e:
     ap.error(str(e))
   if cpus:
@@ -57,7 +63,8 @@ def main(argv=None):
 
   records = []
   rng = np.random.default_rng(0)
-  for name, (M, K, N), transposed in SHAPES:
+  for name, mkn, transposed in SHAPES:
+    M, K, N = (d // args.scale for d in mkn)
     a = rng.standard_normal((K, M) if transposed else (M, K)).astype(np.float32)
     b = rng.standard_normal((K, N)).astype(np.float32)
     ja, jb = jax.device_put(a), jax.device_put(b)
@@ -80,9 +87,10 @@ def main(argv=None):
     rec = {"shape": name, "m_k_n": [M, K, N], "lhs_transposed": transposed,
            "threads": len(os.sched_getaffinity(0)), "torch_version": torch.__version__,
            "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    for lib, t in times.items():
-      rec[f"{lib}_gflops"] = round(flops / float(np.median(t)) / 1e9, 1)
-    rec["xla_eigen_over_torch"] = round(rec["xla_eigen_gflops"] / rec["torch_mm_gflops"], 3)
+    gflops = {lib: flops / float(np.median(t)) / 1e9 for lib, t in times.items()}
+    for lib, g in gflops.items():  # 3 significant digits: a --smoke shape's figure is not 0.0
+      rec[f"{lib}_gflops"] = float(f"{g:.3g}")
+    rec["xla_eigen_over_torch"] = round(gflops["xla_eigen"] / gflops["torch_mm"], 3)
     records.append(rec)
     print(f"{name:44s} eigen {rec['xla_eigen_gflops']:6.1f}  ynnpack "
           f"{rec['xla_ynnpack_gflops']:6.1f}  torch {rec['torch_mm_gflops']:6.1f} GFLOP/s  "

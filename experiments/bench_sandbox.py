@@ -1,7 +1,7 @@
 """Sandbox throughput: the 164 canonical HumanEval solutions through `mtp_jax.evaluation.sandbox`,
 timed.
 
-    python experiments/bench_sandbox.py --workers 2 [--repeats 3] [--out FILE]
+    python experiments/bench_sandbox.py --workers 2 [--repeats 3] [--limit N] [--out FILE]
 
 Prints JSON: programs/s (best and median over repeats), what the machine enforces (seccomp,
 Landlock ABI) and that every program passed. The goal (issue 14) is >= 20 programs/s on 2 cores.
@@ -19,13 +19,19 @@ from experiments import common
 from mtp_jax.evaluation import code_tasks, sandbox
 
 
+SMOKE = {"limit": 8, "repeats": 1}  # --smoke: the suite's run
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workers", type=int, default=2)
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--limit", type=int, default=0, help="the first N problems only (0: all 164)")
   ap.add_argument("--out", default="")
+  common.add_flag_table(ap, [], SMOKE)
   a = ap.parse_args(argv)
-  problems = code_tasks.humaneval_problems()
+  common.apply_smoke(ap, a, SMOKE)
+  problems = code_tasks.humaneval_problems()[:a.limit or None]
   programs = [p.program(p.canonical) for p in problems]
   rates, passed = [], []
   for _ in range(a.repeats):

@@ -54,6 +54,11 @@ from mtp_jax.model import param_count
 REF = "jax@ref"  # --peer --ref_tree: the other checkout's JAX step
 VARIANTS = [("parallel", 1), ("parallel", 2), ("parallel", 4), ("sequential", 4),
             ("projection", 4)]
+# --smoke: the suite's run of every mode (configs/tiny.py's 3 layers grown to 5: 4 parallel heads
+# need a trunk under them)
+SMOKE = {"config": os.path.join(common.ROOT, "configs", "tiny.py"), "steps": 1, "warmup": 0,
+         "burst": 1, "settle": 0.0, "variants": "parallel:1,parallel:4",
+         "set": ["model.n_layers=5"]}
 
 
 def setup(config_path, kind, n_future, overrides):
@@ -282,21 +287,17 @@ def ab(args, overrides, extra):
   return records
 
 
-def _parse_cpus(text: str) -> set[int]:
-  """--cpus "0", "0,1", "0-3" -> {CPU numbers}; ValueError names the flag and what is allowed."""
-  if not text:
-    return set()
-  cpus = set()
-  try:
-    for part in text.split(","):
-      lo, _, hi = part.partition("-")
-      cpus.update(range(int(lo), int(hi or lo) + 1))
-  except ValueError:
-    raise ValueError(f"--cpus: a list like 0 or 0,1 or 0-3, got {text!r}") from None
-  allowed = os.sched_getaffinity(0)
-  if not cpus or not cpus <= allowed:
-    raise ValueError(f"--cpus: CPUs this process may use are {sorted(allowed)}, got {text!r}")
-  return cpus
+def _parse_variants(text: str) -> list[tuple[str, int]]:
+  """--variants "parallel:1,projection:4" -> [(kind, n_future)]; ValueError names the flag."""
+  out = []
+  for item in text.split(","):
+    kind, _, n = item.partition(":")
+    if not n.isdigit() or int(n) < 1:
+      raise ValueError(f"--variants: a list like parallel:1,sequential:4, got {text!r}")
+    out.append((kind, int(n)))
+  if ("parallel", 1) not in out:
+    raise ValueError(f"--variants: parallel:1 (the base of ratio_to_ntp) must be one, got {text!r}")
+  return out
 
 
 def main(argv=None):
@@ -327,12 +328,18 @@ def main(argv=None):
   ap.add_argument("--ref_tree", default=None,
                   help="--peer: also time another checkout's JAX step (a worker run from that "
                   "folder) and record this code's speed over it, round by round")
+  ap.add_argument("--variants", default=",".join(f"{k}:{n}" for k, n in VARIANTS),
+                  help="the default mode's kind:n_future list (parallel:1 among them: the base "
+                  "of ratio_to_ntp)")
   ap.add_argument("--peer_worker", default=None, help=argparse.SUPPRESS)
+  common.add_flag_table(ap, [], SMOKE)
   args = ap.parse_args(argv)
+  common.apply_smoke(ap, args, SMOKE)
   try:  # bad input fails here, before any compile
+    variants = _parse_variants(args.variants)
     overrides = common.parse_overrides(args.set)
     common.apply_overrides(load_file(args.config), overrides)
-    cpus = _parse_cpus(args.cpus)
+    cpus = common.parse_cpus(args.cpus)
     if args.ref_tree and (args.in_process or not args.peer
                           or not common.is_checkout(args.ref_tree, "bench_train")):
       raise ValueError(f"--ref_tree: needs --peer (not --in_process) and a checkout of this "
@@ -359,12 +366,12 @@ def main(argv=None):
     records = peer(args, overrides)
     common.write_json(records, args.json)
     return
-  runs = {v: setup(args.config, *v, overrides) for v in VARIANTS}
+  runs = {v: setup(args.config, *v, overrides) for v in variants}
   steps = {v: _stepping(r) for v, r in runs.items()}
   for _ in range(args.warmup):
     for step in steps.values():
       step()
-  times = {v: [] for v in VARIANTS}
+  times = {v: [] for v in variants}
   for _ in range(args.steps):  # interleaved: noise hits every variant alike
     for v, step in steps.items():
       # back to back; the first after idling kept out

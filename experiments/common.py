@@ -76,6 +76,23 @@ def positive_ints(parser, flag: str, text: str) -> list[int]:
   return values
 
 
+def parse_cpus(text: str) -> set[int]:
+  """--cpus "0", "0,1", "0-3" -> {CPU numbers}; ValueError names the flag and what is allowed."""
+  if not text:
+    return set()
+  cpus = set()
+  try:
+    for part in text.split(","):
+      lo, _, hi = part.partition("-")
+      cpus.update(range(int(lo), int(hi or lo) + 1))
+  except ValueError:
+    raise ValueError(f"--cpus: a list like 0 or 0,1 or 0-3, got {text!r}") from None
+  allowed = os.sched_getaffinity(0)
+  if not cpus or not cpus <= allowed:
+    raise ValueError(f"--cpus: CPUs this process may use are {sorted(allowed)}, got {text!r}")
+  return cpus
+
+
 def loaded_workdir(parser, workdir: str):
   """`workdir.load_workdir(workdir)`, or the parser's error where the folder does not exist."""
   if not os.path.isdir(workdir):

@@ -21,8 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mtp_jax import acceptance
-from mtp_jax.backends.cpu.cpuinfo import cpu_model_name
+from mtp_jax import acceptance, hostinfo
 from mtp_jax import workdir as workdir_lib
 
 KINDS = ("train", "eval")
@@ -46,10 +45,9 @@ def _fmt_heads(values) -> str:
 
 
 def machine() -> dict[str, Any]:
-  """The host a run's timings come from: CPU model name and the cores this process may use."""
-  cpu = cpu_model_name()
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  return {"cpu": cpu, "cpu_cores": cores}
+  """The host a run's timings come from (`hostinfo.machine`): CPU model name and the cores this
+  process may use."""
+  return hostinfo.machine()
 
 
 def write_summary(path: str, summary: dict[str, Any], *, trained: bool) -> dict[str, Any]:

@@ -220,7 +220,8 @@ def test_config_imports_no_jax():
 # name here that is it or a package above it; every module must be in one.
 LAYERS = [
     ("declarations", ["mtp_jax", "mtp_jax.model_args", "mtp_jax.config", "mtp_jax.cli",
-                      "mtp_jax.attention_mask", "mtp_jax.checkpoint", "mtp_jax.sharding"]),
+                      "mtp_jax.attention_mask", "mtp_jax.checkpoint", "mtp_jax.sharding",
+                      "mtp_jax.hostinfo"]),
     ("backends", ["mtp_jax.backends"]),
     ("layers", ["mtp_jax.attention", "mtp_jax.layers"]),
     ("heads", ["mtp_jax.heads", "mtp_jax.flops"]),

@@ -26,6 +26,8 @@ import tempfile
 import jax
 import numpy as np
 
+from mtp_jax import hostinfo
+
 log = logging.getLogger(__name__)
 
 ENV = "MTP_JAX_CACHE"  # the cache's root; "off" (or "", "0", "none"): no disk cache
@@ -51,8 +53,7 @@ def machine() -> dict:
   out = {"backend": jax.default_backend(), "device_kind": dev.device_kind,
          "devices": jax.device_count(), "jax": jax.__version__}
   if out["backend"] == "cpu":
-    from mtp_jax.backends.cpu.cpuinfo import cpu_model_name
-    out.update(cpu=cpu_model_name(), cpu_count=os.cpu_count())
+    out.update(cpu=hostinfo.cpu_model_name(), cpu_count=os.cpu_count())
   return out
 
 

@@ -8,5 +8,5 @@ of the model can skip. The core reaches it through `mtp_jax.backends.current()` 
     gemm.py      model.cpu_matmul = mkl: MKL's sgemm from an XLA FFI handler (csrc/cpu_gemm.cc)
     runtime.py   the process defaults an entry point applies before JAX starts (XLA flag, huge
                  pages, mimalloc by one re-exec) and decoding's per-batch compile options
-    cpuinfo.py   /proc/cpuinfo: vendor, family, model, model name
+    cpuinfo.py   /proc/cpuinfo: vendor, family, model, model name (`mtp_jax.hostinfo`'s)
 """

@@ -1,41 +1,4 @@
-"""The first CPU of /proc/cpuinfo: what the CPU defaults' rules and a run's summary name.
-JAX-free."""
+"""The first CPU of /proc/cpuinfo, for the CPU backend's rules: `mtp_jax.hostinfo`'s, which
+sits beneath the backends (a run's host description reads it there)."""
 
-from __future__ import annotations
-
-import functools
-import platform
-
-
-@functools.cache
-def cpuinfo() -> dict:
-  """The first CPU's fields of /proc/cpuinfo (key -> text: "vendor_id", "cpu family", "model",
-  "model name", "flags" or "Features", ...), read once; {} where there is none."""
-  fields = {}
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        key, sep, value = line.partition(":")
-        if not sep:
-          if fields:  # the blank line after the first CPU
-            break
-          continue
-        fields.setdefault(key.strip(), value.strip())
-  except OSError:
-    pass
-  return fields
-
-
-def cpu_ids() -> tuple:
-  """(vendor_id, cpu family, model) of the first CPU in /proc/cpuinfo, None where absent: a VM's
-  model name may name no generation, these do."""
-  info = cpuinfo()
-  def number(key):
-    value = info.get(key, "")
-    return int(value) if value.isdigit() else None
-  return info.get("vendor_id") or None, number("cpu family"), number("model")
-
-
-def cpu_model_name() -> str:
-  """The first CPU's "model name" in /proc/cpuinfo, else what `platform` says."""
-  return cpuinfo().get("model name") or platform.processor() or platform.machine()
+from mtp_jax.hostinfo import cpu_ids, cpu_model_name, cpuinfo  # noqa: F401

@@ -75,7 +75,7 @@ def setup(config_path, kind, n_future, overrides):
 def _compiled(c):
   """(run one step -> loss, tokens per step, n_params, first step seconds, the box holding the
   training, state and batch) of config `c` on one random batch of byte ids."""
-  training = steps_lib.build_training(c)
+  training = steps_lib.build_training(validation.resolve(c))  # a bad field: a named error
   batch = jax.device_put(common.random_batch(c, high=256))
   box = {"training": training, "state": training.init_state(0), "batch": batch}
 

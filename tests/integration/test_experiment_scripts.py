@@ -113,7 +113,8 @@ def test_bench_stops(trained, tmp_path, capsys):
   assert r["identical_completions"] is True and r["step"] == 4
   assert all(0 < b <= 8 for b in r["tokens_post_hoc"])
   assert all(0 < a <= b for a, b in zip(r["tokens_in_loop"], r["tokens_post_hoc"]))
-  assert r["seconds_post_hoc"] > 0 and r["machine"]["cpu_count"]
+  assert r["mean_tokens_in_loop"] == sum(r["tokens_in_loop"]) / 2 <= r["mean_tokens_post_hoc"]
+  assert r["seconds_post_hoc"] > 0 and r["seconds_in_loop"] > 0 and r["machine"]["cpu_count"]
 
 
 def test_parallel_cycle(trained, tmp_path):

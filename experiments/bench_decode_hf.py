@@ -88,9 +88,9 @@ def hf_side(args):
   import transformers
 
   from mtp_jax.convert.workdir import export_hf
-  out = tempfile.mkdtemp(prefix="bench_decode_hf_")
-  export_hf(args.workdir, out)
-  model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  with tempfile.TemporaryDirectory(prefix="bench_decode_hf_") as out:  # gone once loaded
+    export_hf(args.workdir, out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   model.generation_config.eos_token_id = None  # fixed work: never stop early
   info = {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
           "torch_threads": torch.get_num_threads(), "hf_architecture": type(model).__name__}

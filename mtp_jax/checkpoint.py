@@ -81,6 +81,18 @@ class _IterRestore(ocp.args.CheckpointArgs):
   item: Any
 
 
+class _Manager(ocp.CheckpointManager):
+  """orbax's manager, leaving JAX's preemption sync to the train loop. JAX's protocol keeps one
+  counter per process, the value of the last `reached_preemption_sync_point` call, and stops
+  all at max + 1; orbax calls it with the step being saved (in `save` and its finalize thread),
+  the loop once per step with its own count from 1. Mixed, a resumed run whose notice came
+  before its first step waits for count 1 while the steps say 4, 5, 6: it never stops."""
+
+  def reached_preemption(self, step: int) -> bool:
+    del step
+    return False
+
+
 class Checkpointer:
   """Saves and restores (state, data-iterator state) per step, keeping the last `keep` steps.
 
@@ -113,7 +125,7 @@ class Checkpointer:
         # The wait of an async save's commit for the other processes' (orbax: 20 minutes).
         **({"async_options": ocp.AsyncOptions(timeout_secs=int(timeout_s))} if timeout_s else {}),
     )
-    self._mgr = ocp.CheckpointManager(
+    self._mgr = _Manager(
         self.directory,
         options=options,
         item_handlers={

@@ -58,6 +58,7 @@ class _StopFlag:
     self.signum = None
     self._old = {}
     self._multi = jax.process_count() > 1
+    self._calls = 0  # JAX's sync counter: this process's steps, from 1 whatever the start step
 
   def __enter__(self):
     for s in () if self._multi else (signal.SIGTERM, signal.SIGINT):
@@ -71,7 +72,8 @@ class _StopFlag:
     """Whether to save and stop after `step`; every process of a run gets the same answer."""
     if self._multi:
       from jax.experimental import multihost_utils
-      if multihost_utils.reached_preemption_sync_point(step):
+      self._calls += 1  # not `step`: a notice before the first call stops at count 1
+      if multihost_utils.reached_preemption_sync_point(self._calls):
         self.signum = signal.SIGTERM
     return self.signum is not None
 

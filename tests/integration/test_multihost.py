@@ -29,7 +29,7 @@ from mtp_jax import workdir as workdir_lib
 from mtp_jax.data import pipeline
 
 STEPS = 6
-TIMEOUT_S = 10  # mesh.distributed_timeout_s of the 2-process runs
+TIMEOUT_S = 30  # mesh.distributed_timeout_s of the 2-process runs: heartbeats and barriers
 
 
 def free_port() -> int:
@@ -117,14 +117,15 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
   """The straight runs (one process x 4 devices, two processes x 2 devices), and a 2-process run
-  stopped at step 3 with a copy for the kill test."""
+  stopped at step 3 with copies for the kill and SIGTERM tests."""
   tmp = tmp_path_factory.mktemp("multihost")
   one, two, stopped = tmp / "one", tmp / "two", tmp / "stop_two"
   out_one = train(corpus, one, 1)
   out_two = train(corpus, two, 2)
   train(corpus, stopped, 2, "--config.train.stop_at=3")
   return {"one": one, "two": two, "out_one": out_one, "out_two": out_two, "tmp": tmp,
-          "stopped_two": stopped, "killed": _copy(stopped, tmp / "killed")}
+          "stopped_two": stopped, "killed": _copy(stopped, tmp / "killed"),
+          "sigterm": _copy(stopped, tmp / "sigterm")}
 
 
 def test_two_processes_train_as_one_with_four_devices(runs):
@@ -235,6 +236,30 @@ def test_a_killed_process_ends_its_peer_and_the_run_resumes_exactly(corpus, runs
   (_, out, _), _ = train(corpus, wd, 2)
   assert "resuming at step 3/6" in out
   assert summary(wd)["params_sha256"] == summary(runs["one"])["params_sha256"]
+
+
+def test_sigterm_to_both_processes_saves_one_step_and_resumes_exactly(corpus, runs):
+  """SIGTERM to both processes once the run is under way (a preemption, scancel): JAX's
+  preemption sync stops both at the same step, they save it together and exit 0, and a rerun
+  ends with the straight run's params."""
+  wd = runs["sigterm"]
+  procs = start(corpus, wd, 2)
+  for line in procs[0].stdout:  # process 0's console, line by line
+    if line.startswith("resuming at step 3"):
+      break
+  for p in procs:
+    p.send_signal(signal.SIGTERM)
+  (_, out0, _), (_, out1, _) = finish(procs, timeout=TIMEOUT_S + 120)  # both exit 0
+  saved = [int(line.split()[4].rstrip(",")) for line in out0.splitlines()
+           if line.startswith("signal 15: saved step")]
+  assert len(saved) == 1 and 3 < saved[0] <= STEPS, out0[-2000:]
+  step = saved[0]
+  assert workdir_lib.checkpoint_steps(str(wd)) == [3, step]  # one step folder, both processes'
+  assert summary(wd)["step"] == step and summary(wd)["interrupted"] is True
+  (_, out, _), _ = train(corpus, wd, 2)
+  assert f"resuming at step {step}/{STEPS}" in out or step == STEPS
+  assert summary(wd)["params_sha256"] == summary(runs["one"])["params_sha256"]
+  assert batch_hashes(wd) == batch_hashes(runs["one"])
 
 
 def test_a_peer_that_never_arrives_is_one_line_not_a_hang(corpus, tmp_path):

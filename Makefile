@@ -12,7 +12,7 @@ TPU_STAMP := $(TPU_VENV)/.installed
 GPU_VENV := .venv-gpu
 GPU_STAMP := $(GPU_VENV)/.installed
 
-.PHONY: install lint test test-fast test-tpu test-gpu-aot test-slurm accel-check demo \
+.PHONY: install lint test test-fast test-heavy test-tpu test-gpu-aot test-slurm accel-check demo \
   demo-scratch cpu-bench clean
 
 $(BIN)/python:
@@ -39,16 +39,22 @@ PYTEST_WORKERS ?= 2
 lint: install
 	$(BIN)/ruff check .
 
-# Tiers (pytest.ini): `make test` runs them all, CI runs `make test`; `make test-fast` is the
-# edit-test loop, the unit tests without the slow ones and tests/integration (~2 minutes).
+# Tiers (pytest.ini): `make test` runs every test but the heavy tier (~12 minutes on 2 cores);
+# `make test-heavy` runs the heavy tier (long end-to-end repeats, each mark with its reason) and
+# the real Slurm; CI (.ci/run) runs both. `make test-fast` is the edit-test loop, the unit tests
+# without the slow ones and tests/integration (~2 minutes).
+PYTEST = $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+SUITE = tests --ignore=tests/tpu --ignore=tests/gpu --ignore=tests/slurm
+
 test-fast: install
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not integration" \
-	  tests --ignore=tests/tpu --ignore=tests/gpu --ignore=tests/slurm
+	$(PYTEST) -m "not slow and not integration and not heavy" $(SUITE)
 
 test: lint $(TPU_STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests --ignore=tests/tpu \
-	  --ignore=tests/gpu --ignore=tests/slurm
+	$(PYTEST) --durations=25 -m "not heavy" $(SUITE)
 	$(MAKE) test-tpu
+
+test-heavy: install
+	$(PYTEST) --durations=10 -m heavy $(SUITE)
 	$(MAKE) test-slurm
 
 # XLA:TPU ahead of time on this host (tests/tpu: the train step with splash attention compiled

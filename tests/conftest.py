@@ -20,6 +20,21 @@ if os.environ.get("MTP_JAX_TEST_FAST_COMPILE", "1") != "0":
   os.environ["XLA_FLAGS"] = " ".join(
       [_flags] + [f for f in _FAST_COMPILE if f.split("=")[0] not in _flags]).strip()
 
+# One persistent XLA compilation cache for the whole run: pytest's own process makes the folder
+# before it starts its workers, and they and every subprocess a test starts (train, sweep,
+# resume, two processes) inherit it. Many tests compile the same tiny programs (a run and its
+# resume, a sweep and the run it repeats); the second compile is a file read. A cached program
+# is the compiled one, so results are unchanged; the folder goes at exit.
+# MTP_JAX_TEST_COMPILE_CACHE=0 turns this off.
+if (os.environ.get("MTP_JAX_TEST_COMPILE_CACHE", "1") != "0"
+    and not os.environ.get("JAX_COMPILATION_CACHE_DIR")):
+  import atexit
+  import tempfile
+  _cache = tempfile.mkdtemp(prefix="mtp_jax_test_xla_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -82,6 +82,9 @@ def _check(cases, cpu_defaults: bool):
   return out["cases"]
 
 
+# Heavy tier: jaxlib's own flags (~35 s of optimised compiles); the CLIs' flags (the next test, the
+# ones users run) stay in make test.
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_speculative_equals_greedy_with_default_compiler_flags():
   for case in _check(CASES, cpu_defaults=False):

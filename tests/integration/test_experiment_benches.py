@@ -23,6 +23,9 @@ def _json(path):
     return json.load(f)
 
 
+# Heavy tier: two frameworks' train steps compiled and timed (~35 s); the train step's maths is
+# tests/test_train.py's and tests/test_golden.py's in make test.
+@pytest.mark.heavy
 def test_bench_train_smoke_and_peer_then_cpu_bench_report(tmp_path, capsys):
   """bench_train.py --smoke (configs/tiny.py, next-token only: each variant is a compile of
   seconds; every head kind's train step is tests/test_golden.py's), then --peer --in_process
@@ -103,6 +106,9 @@ def test_bench_cpu_dots_smoke(tmp_path):
     assert r["xla_eigen_over_torch"] > 0 and r["machine"]["cpu_count"]
 
 
+# Heavy tier: a worker process compiling at full XLA optimisation (~18 s); the CPU defaults it
+# times are checked for exactness by tests/test_exact_default_compiler.py in make test.
+@pytest.mark.heavy
 def test_bench_cpu_defaults_one_worker(tmp_path):
   """One variant, so one worker process (the script's design: XLA flags are per process)."""
   from experiments import bench_cpu_defaults
@@ -150,6 +156,9 @@ def test_bench_sandbox_smoke(tmp_path):
   assert "seccomp" in r["sandbox"] and r["machine"]["cpu_count"]
 
 
+# Heavy tier: the accelerator check's parts on the CPU (~13 s); their kernels and memory plan have
+# their own tests in make test (test_attention, test_aot), and the .sh's wiring test below stays.
+@pytest.mark.heavy
 def test_accel_check_parts_and_summary(tmp_path, capsys):
   """accel_check.py's attention part (sequence 8) and memory part (bench_accel's tiny size) on
   this CPU, then its summary of the folder."""

@@ -53,6 +53,9 @@ def _has_png(nb) -> bool:
   return any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
 
 
+# Heavy tier: a real kernel runs the notebook's train and generate calls (~25 s), which the CLI
+# tests check in make test; the notebook's shape checks below stay there.
+@pytest.mark.heavy
 def test_quickstart_notebook(tmp_path):
   workdir = str(tmp_path / "quickstart")
   nb = _execute("quickstart.ipynb", tmp_path, SIZE="tiny", WORKDIR=workdir)
@@ -64,6 +67,9 @@ def test_quickstart_notebook(tmp_path):
   assert os.path.isfile(os.path.join(workdir, "summary.json"))
 
 
+# Heavy tier: a real kernel runs a tiny sweep (~30 s), which tests/integration/test_sweep.py checks
+# in make test.
+@pytest.mark.heavy
 def test_scaling_sweep_notebook(tmp_path):
   root = str(tmp_path / "sweep")
   nb = _execute("scaling_sweep.ipynb", tmp_path, SIZE="tiny", ROOT=root)

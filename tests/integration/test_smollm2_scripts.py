@@ -28,6 +28,10 @@ def gguf(tmp_path_factory):
   return path
 
 
+# Heavy tier: both stages of the experiment on a tiny GGUF (~30 s); its pieces (trunk states, draft
+# vocabulary, the Welch verdict) have unit tests, and the demo's smoke below trains and decodes
+# the same way in make test.
+@pytest.mark.heavy
 def test_heads_experiment_smoke(gguf, tmp_path, capsys):
   out = tmp_path / "sh.json"
   assert smollm2_heads.main(["--root", str(tmp_path / "root"), "--json", str(out), "--smoke",
@@ -74,6 +78,9 @@ def test_demo_smoke(gguf, tmp_path, capsys):
   assert "trained heads found" in capsys.readouterr().out
 
 
+# Heavy tier: a timing script's smoke (~15 s): its levers (trunk states, draft vocabulary) are
+# unit-tested in make test.
+@pytest.mark.heavy
 def test_bench_heads_levers_smoke(gguf, tmp_path):
   from experiments import bench_heads_levers
   out = tmp_path / "levers.json"

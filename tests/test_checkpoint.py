@@ -256,7 +256,10 @@ def test_failed_commit_keeps_the_last_good_step(tmp_path, monkeypatch):
   """
   from orbax.checkpoint._src.checkpointers import async_checkpointer
   if not hasattr(async_checkpointer, "_on_commit_callback"):
-    pytest.skip("orbax moved its commit hook; re-check GC ordering by hand.")
+    message = "orbax moved its commit hook; re-check GC ordering by hand."
+    if os.environ.get("CI"):  # the pinned orbax has it: under CI a skip would hide the check
+      pytest.fail(message)
+    pytest.skip(message)
   save_steps(str(tmp_path), [1], keep=1)
 
   def fail(*args, **kwargs):

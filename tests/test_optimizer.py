@@ -23,7 +23,8 @@ def test_decay_mask_skips_norms_and_embeddings(make_config):
   flat = {jax.tree_util.keystr(p): m for p, m in jax.tree_util.tree_flatten_with_path(mask)[0]}
   assert not flat["['embed']['embedding']"] and not flat["['norm']"]
   assert not any(m for k, m in flat.items() if "scale" in k)
-  assert all(m for k, m in flat.items() if "kernel" in k)
+  kernels = [m for k, m in flat.items() if "kernel" in k]
+  assert kernels and all(kernels)
   assert all(jax.tree.leaves(optim_lib.decay_mask(params, decay_norms_and_embeddings=True)))
 
 

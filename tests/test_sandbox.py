@@ -76,6 +76,7 @@ def test_all_canonical_humaneval_solutions_pass(problems):
 @pytest.mark.slow
 def test_wrong_completion_fails_every_problem(problems):
   outs = sandbox.run_many([p.program("    return None\n") for p in problems], FAST, workers=2)
+  assert len(outs) == len(problems) > 0
   assert all(o.status == "failed" for o in outs), [o for o in outs if o.status != "failed"][:3]
   assert sum("AssertionError" in o.detail for o in outs) > 100  # a wrong value, not a crash
 

@@ -85,7 +85,8 @@ def test_stacked_head_axis_sharded_by_a_rule(results, name):
   kernels = {k: v for k, v in r["head_specs"].items() if k.endswith("['kernel']")}
   assert kernels and all(v.startswith("P('tensor'") for v in kernels.values()), kernels
   default = results["loss_grads"][name.split("/")[0] + "/2,2,2"]["head_specs"]
-  assert all(v.startswith("P(None") for k, v in default.items() if k.endswith("['kernel']"))
+  default_kernels = [v for k, v in default.items() if k.endswith("['kernel']")]
+  assert default_kernels and all(v.startswith("P(None") for v in default_kernels), default
 
 
 @pytest.mark.slow

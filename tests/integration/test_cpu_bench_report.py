@@ -49,6 +49,7 @@ def test_the_xeon_records_give_the_table_row():
   for name, target in report_lib.TARGETS.items():
     assert rec["figures"][name]["ratio"] >= target, name
   assert rec["machine"]["cpu_vendor"] == "GenuineIntel" and rec["machine"]["cpu_model_id"] == 167
+  assert rec["decode_options"]
   assert all(v["rule"] == v["fastest"] == "ynn" for v in rec["decode_options"])
   before = report_lib.report("xeon_m167_before")
   assert before["decode_options"][0]["rule"] == "eigen" and before["decode_options"][0][

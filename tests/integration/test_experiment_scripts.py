@@ -111,6 +111,7 @@ def test_bench_stops(trained, tmp_path, capsys):
   r = _json(out)
   assert len(r["problems"]) == 2 and r["problems"][0].startswith("HumanEval/")
   assert r["identical_completions"] is True and r["step"] == 4
+  assert len(r["tokens_post_hoc"]) == len(r["tokens_in_loop"]) == 2
   assert all(0 < b <= 8 for b in r["tokens_post_hoc"])
   assert all(0 < a <= b for a, b in zip(r["tokens_in_loop"], r["tokens_post_hoc"]))
   assert r["mean_tokens_in_loop"] == sum(r["tokens_in_loop"]) / 2 <= r["mean_tokens_post_hoc"]

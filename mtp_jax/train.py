@@ -311,7 +311,14 @@ def cli_main(flags_) -> int:
 def main(argv):
   del argv
   cli.quiet_logs()
-  sys.exit(cli_main(cli.FLAGS))
+  status = cli_main(cli.FLAGS)
+  if status == distributed.EXIT_PEER_LOST:
+    # Not through the interpreter's exit: JAX's shutdown there waits at a barrier for the lost
+    # peer and then aborts the process (SIGABRT), which would replace this status.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+  sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -210,8 +210,8 @@ def test_stop_and_resume_within_and_across_process_counts(corpus, runs):
 
 def test_a_killed_process_ends_its_peer_and_the_run_resumes_exactly(corpus, runs):
   """SIGKILL of process 1 once the run is under way: process 0 exits non-zero within the
-  heartbeat timeout, naming the lost task; the checkpoint saved before stays loadable and a
-  rerun ends with the straight run's params."""
+  heartbeat timeout, naming how the peer was lost (exit 6, or JAX's line naming the task); the
+  checkpoint saved before stays loadable and a rerun ends with the straight run's params."""
   wd = runs["killed"]
   procs = start(corpus, wd, 2)
   for line in procs[0].stdout:  # process 0's console, line by line
@@ -227,10 +227,15 @@ def test_a_killed_process_ends_its_peer_and_the_run_resumes_exactly(corpus, runs
                          "killed") from None
   procs[1].communicate()
   assert procs[1].returncode == -signal.SIGKILL
-  assert procs[0].returncode != 0
   assert time.time() - t_kill < TIMEOUT_S + 30
-  # JAX's coordination service names the task that stopped sending heartbeats.
-  assert "stopped sending heartbeats" in stderr0 and "\n1\n" in stderr0, stderr0[-2000:]
+  # Either a collective with the dead peer fails first (gloo: "Connection closed by peer"), and
+  # training says so in one line and exits 6, not 4 (a checkpoint failure); or JAX's
+  # coordination service ends the process, naming the task that stopped sending heartbeats.
+  lost = [line for line in stderr0.splitlines()
+          if line.startswith("error: lost a peer process: ")]
+  assert ((procs[0].returncode == distributed.EXIT_PEER_LOST and len(lost) == 1)
+          or (procs[0].returncode not in (0, 4) and "stopped sending heartbeats" in stderr0
+              and "\n1\n" in stderr0)), (procs[0].returncode, stderr0[-2000:])
   assert summary(wd)["step"] == 3  # the stopped run's record: the killed one never finished
   assert workdir_lib.checkpoint_steps(str(wd)) == [3]
   (_, out, _), _ = train(corpus, wd, 2)

@@ -1,8 +1,10 @@
 """Starting the processes of a multi-process run: `maybe_initialize_distributed` (config.mesh,
-the JAX_* variables, or what a launcher such as Slurm, Open MPI or Cloud TPU says), the launch
-checks of the tools that run in one process (`refuse_multiprocess`), and the barrier between
-processes (`sync_processes`). Apart from sharding.py, which keeps the mesh and the logical-axis
-rules: nothing below the entry points needs to know how processes were launched.
+the JAX_* variables, or what a launcher such as Slurm, Open MPI or Cloud TPU says; on a GPU
+launch the GPUs this process drives, `local_device_ids`), the launch check of the tools that run
+in one process (`refuse_multiprocess`), the barrier between processes (`sync_processes`, bounded
+by config.mesh.distributed_timeout_s), and a lost peer told from other failures (`lost_peer`,
+exit status 6). Apart from sharding.py, which keeps the mesh and the logical-axis rules: nothing
+below the entry points needs to know how processes were launched.
 """
 
 from __future__ import annotations

@@ -186,6 +186,9 @@ def _copy(src, dst):
   return dst
 
 
+# Heavy tier: three more multi-process runs (~60 s); exact resume is tests/test_train.py's in make
+# test, and two processes equal to one is the first test above.
+@pytest.mark.heavy
 def test_stop_and_resume_within_and_across_process_counts(corpus, runs):
   """stop_at 3 with 2 processes, then on to 6 with 2 processes and (a copy) with 1 process x 4
   devices; and the reverse: stopped with 1 process, resumed with 2. All equal the straight run."""
@@ -208,6 +211,9 @@ def test_stop_and_resume_within_and_across_process_counts(corpus, runs):
     assert batch_hashes(wd) == batch_hashes(runs["one"]), wd
 
 
+# Heavy tier: a kill -9 and a resume of a 2-process run (~40 s); one process's kill -9 and resume
+# are tests/test_train.py's in make test, a lost peer's exit status is tests/test_distributed.py's.
+@pytest.mark.heavy
 def test_a_killed_process_ends_its_peer_and_the_run_resumes_exactly(corpus, runs):
   """SIGKILL of process 1 once the run is under way: process 0 exits non-zero within the
   heartbeat timeout, naming how the peer was lost (exit 6, or JAX's line naming the task); the
@@ -243,6 +249,9 @@ def test_a_killed_process_ends_its_peer_and_the_run_resumes_exactly(corpus, runs
   assert summary(wd)["params_sha256"] == summary(runs["one"])["params_sha256"]
 
 
+# Heavy tier: SIGTERM to a 2-process run and its resume (~40 s); one process's SIGTERM and
+# resume are tests/test_train.py's in make test.
+@pytest.mark.heavy
 def test_sigterm_to_both_processes_saves_one_step_and_resumes_exactly(corpus, runs):
   """SIGTERM to both processes once the run is under way (a preemption, scancel): JAX's
   preemption sync stops both at the same step, they save it together and exit 0, and a rerun

@@ -29,7 +29,7 @@ SCHEDULES = ("cosine", "linear", "constant")  # optim.schedule
 # 1's own distribution at the same target position (KL to it, or total variation).
 DRAFT_OBJECTIVES = ("ce", "kl_to_head1", "tv")
 TRAINABLE = ("all", "heads")  # optim.trainable: "heads" trains heads 2..n only (optimizer.py)
-DISTRIBUTED_MODES = ("auto", "on", "off")  # mesh.distributed (sharding.py)
+DISTRIBUTED_MODES = ("auto", "on", "off")  # mesh.distributed (distributed.py)
 
 
 def _positive(x):
@@ -173,7 +173,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
   # jax.distributed.initialize(): "auto" on TPU pods, srun -n 2+ (Slurm), Open MPI, or
-  # when a coordinator address is given; "on" always; "off" never (sharding.py).
+  # when a coordinator address is given; "on" always; "off" never (distributed.py).
   c.mesh.distributed = "auto"
   # HOST:PORT of process 0, the process count and this process's id; empty / 0 / -1 read
   # JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, else JAX finds them (Slurm, MPI,
@@ -181,7 +181,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.coordinator_address = ""
   c.mesh.num_processes = 0
   c.mesh.process_id = -1
-  # Seconds to wait for every process at start-up, and for a peer's heartbeat during the run.
+  # Seconds to wait for every process at start-up, for a peer's heartbeat during the run, and
+  # at every barrier (data built, checkpoint commits): past it, one line naming what was
+  # missing, exit status 5 at start-up and 6 later (distributed.py).
   c.mesh.distributed_timeout_s = 300
   # Logical axis name -> mesh axis (or None). Only sharding.py reads mesh names.
   c.mesh.rules = (

@@ -30,6 +30,9 @@ import numpy as np
 METADATA = "metadata.json"
 FORMAT = "mtp_jax.tokens/1"
 SHARD_PATTERN = "tokens-{:05d}-of-{:05d}.array_record"
+# Beside each shard, its records' token counts (uint32): what lets a process find the packed
+# rows it reads without reading the others (rows.py).
+LENGTHS_SUFFIX = ".lengths.npy"
 # group_size 1: every record its own chunk, so random access decompresses only what it reads.
 WRITER_OPTIONS = "group_size:1"
 
@@ -142,7 +145,7 @@ def shard_files(pattern: str, field: str) -> list[str]:
     raise ValueError(f"{field}: must be a glob of shards written by `python -m "
                      "mtp_jax.data.prepare` when data.corpus is 'array_record'")
   files = sorted(f for f in glob_lib.glob(os.path.expanduser(pattern), recursive=True)
-                 if os.path.isfile(f) and not f.endswith(".json"))
+                 if os.path.isfile(f) and not f.endswith((".json", LENGTHS_SUFFIX)))
   if not files:
     raise ValueError(f"{field}: no file matches {pattern!r}")
   return files
@@ -195,6 +198,32 @@ def check_tokenizer(meta: dict, data_config, tokenizer, folder: str) -> None:
     raise ValueError(f"config.data.tokenizer: the shards in {folder} were written with "
                      f"{desc(want)}, the config has {desc(have)}; set data.tokenizer/"
                      "data.spm_path to match, or prepare the corpus again")
+
+
+def write_lengths(shard_path: str, lengths) -> None:
+  """The record lengths of a shard, written atomically beside it."""
+  tmp = shard_path + LENGTHS_SUFFIX + ".tmp"
+  with open(tmp, "wb") as f:
+    np.save(f, np.asarray(lengths, np.uint32))
+  os.replace(tmp, shard_path + LENGTHS_SUFFIX)
+
+
+def record_lengths(files: list[str]) -> np.ndarray | None:
+  """The token count of every record of `files` in order, from the lengths files `prepare`
+  writes beside the shards; None when one is missing or does not match its shard's metadata
+  (shards written before those files existed)."""
+  out = []
+  for path in files:
+    try:
+      lengths = np.load(path + LENGTHS_SUFFIX)
+      with open(os.path.join(os.path.dirname(os.path.abspath(path)), METADATA)) as f:
+        shard = {s["file"]: s for s in json.load(f)["shards"]}[os.path.basename(path)]
+    except (OSError, ValueError, KeyError):
+      return None
+    if len(lengths) != shard["records"] or int(lengths.sum(dtype=np.int64)) != shard["tokens"]:
+      return None
+    out.append(lengths.astype(np.int64))
+  return np.concatenate(out)
 
 
 class HeldOut:

@@ -87,15 +87,18 @@ class Shard:
     self._tmp = self.path + ".tmp" if atomic else self.path
     self._writer = array_record_module.ArrayRecordWriter(self._tmp, corpora.WRITER_OPTIONS)
     self.records = self.tokens = 0
+    self.lengths: list[int] = []  # tokens of each record: the lengths file beside the shard
 
   def write(self, record: bytes) -> None:
     self._writer.write(record)
     self.records += 1
     self.tokens += len(record) // self.itemsize
+    self.lengths.append(len(record) // self.itemsize)
 
   def close(self) -> dict:
     """Closes the file; {"file", "records", "tokens", "bytes"} as metadata.json lists it."""
     self._writer.close()
+    corpora.write_lengths(self.path, self.lengths)  # before the shard is in place
     if self._tmp != self.path:
       os.replace(self._tmp, self.path)
     return {"file": self.name, "records": self.records, "tokens": self.tokens,

@@ -13,7 +13,9 @@ steps on a cyclic sequence (tests/test_decode.py's), so drafts are accepted, and
 decodes the saved params, so a change to training cannot pass for one to decoding. Greedy cases
 are also checked against plain greedy decoding (they must equal it). Sequential heads draft one
 path, so their tree cases run the chain (with a logged reason), still compared.
-Exit status 1 where a case differs (or a greedy case differs from plain decoding)."""
+Exit status 1 where a case differs (or a greedy case differs from plain decoding).
+--smoke (both calls): parallel heads trained 3 steps, chain:2 and tree:2,1 on the ragged batch,
+greedy and sampled: 4 cases, the suite's run of this script."""
 
 from __future__ import annotations
 
@@ -55,9 +57,10 @@ def config(kind: str):
   return c
 
 
-def train(kind: str):
-  """(args, params): 150 steps on the cycle (as tests/test_decode.py's fixture)."""
+def train(kind: str, steps: int | None = None):
+  """(args, params): 150 steps (or `steps`) on the cycle (as tests/test_decode.py's fixture)."""
   c = config(kind)
+  c.train.steps = steps or c.train.steps
   model = build_model(c)
   tx = optim_lib.make_optimizer(c)
   state = steps_lib.init_state(model, tx, c, shard_lib.make_mesh(c), jax.random.PRNGKey(0))
@@ -85,15 +88,15 @@ def digest(r) -> str:
                         + np.asarray(r.tokens, np.int64).tobytes()).hexdigest()[:16]
 
 
-def run(models: dict) -> tuple[dict, list[str]]:
+def run(models: dict, windows=WINDOWS, prompt_sets=PROMPTS) -> tuple[dict, list[str]]:
   """({case: {"tokens": digest, "heads", "tree", "forwards"}}, greedy cases unequal to plain)."""
   out, wrong = {}, []
   for kind, (args, params) in models.items():
-    for prompts_name, prompts in PROMPTS.items():
+    for prompts_name, prompts in prompt_sets.items():
       kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
       plain = decode_lib.plain(params, args, prompts, **kw)
       for mode, sample_kw in MODES.items():
-        for window, k, tree in WINDOWS:
+        for window, k, tree in windows:
           r = decode_lib.decode(params, args, prompts, k=k, tree=tree, **kw, **sample_kw)
           name = f"{kind}/{mode}/{window}/{prompts_name}"
           out[name] = {"tokens": digest(r), "heads": r.heads, "tree": r.tree,
@@ -108,17 +111,23 @@ def main(argv=None):
   group = ap.add_mutually_exclusive_group(required=True)
   group.add_argument("--out", help="train the models, decode, write DIR/models.npz, tokens.json")
   group.add_argument("--against", help="decode DIR's models and compare with its tokens.json")
+  ap.add_argument("--smoke", action="store_true",
+                  help="4 cases on parallel heads trained 3 steps (give it to both calls)")
   a = ap.parse_args(argv)
+  kinds, windows, prompt_sets, steps = KINDS, WINDOWS, PROMPTS, None
+  if a.smoke:
+    kinds, windows, prompt_sets, steps = ("parallel",), (WINDOWS[0], WINDOWS[3]), {
+        "ragged": PROMPTS["ragged"]}, 3
   if a.out:
-    models = {kind: train(kind) for kind in KINDS}
+    models = {kind: train(kind, steps) for kind in kinds}
     os.makedirs(a.out, exist_ok=True)
     np.savez(os.path.join(a.out, "models.npz"), **{
         f"{kind}{jax.tree_util.keystr(p)}": np.asarray(x) for kind, (_, params) in models.items()
         for p, x in jax.tree_util.tree_leaves_with_path(params)})
   else:
     with np.load(os.path.join(a.against, "models.npz")) as arrays:
-      models = {kind: load(kind, arrays) for kind in KINDS}
-  cases, wrong = run(models)
+      models = {kind: load(kind, arrays) for kind in kinds}
+  cases, wrong = run(models, windows, prompt_sets)
   if a.out:
     with open(os.path.join(a.out, "tokens.json"), "w") as f:
       json.dump(cases, f, indent=1, sort_keys=True)

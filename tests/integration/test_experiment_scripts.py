@@ -175,3 +175,26 @@ def test_bench_decode_hf(trained, tmp_path):
     assert side["tokens_per_sec"] > 0 and len(side["seconds"]) == 1
   assert r["sides"]["plain"]["ratio_to_hf"] > 0 and r["sides"]["plain"]["forwards"] == 4
   assert r["sides"]["hf"]["hf_architecture"] == "LlamaForCausalLM" and r["machine"]["cpu_count"]
+
+
+# Heavy tier: a model trained and 4 decoding programs compiled (~15-40 s) for a script run
+# before and after a decoder change; speculative equal to greedy is tests/test_decode.py's and
+# tests/test_tree.py's in make test.
+@pytest.mark.heavy
+def test_token_equality_pins_then_compares_and_names_a_changed_case(tmp_path, capsys):
+  """The 72-case check at its smoke size: --out pins 4 cases (greedy ones equal to plain
+  decoding), --against the same models finds 0 wrong, and a changed pin is named, exit 1."""
+  from experiments import token_equality
+  out = str(tmp_path / "te")
+  assert token_equality.main(["--out", out, "--smoke"]) == 0
+  assert token_equality.main(["--against", out, "--smoke"]) == 0
+  assert capsys.readouterr().out.splitlines()[-1] == "4 cases, 0 wrong"
+  pinned = _json(os.path.join(out, "tokens.json"))
+  assert sorted(pinned) == [f"parallel/{m}/{w}/ragged" for m in ("greedy", "sampled")
+                            for w in ("chain:2", "tree:2,1")]
+  name = "parallel/sampled/tree:2,1/ragged"
+  pinned[name]["tokens"] = "0" * 16
+  with open(os.path.join(out, "tokens.json"), "w") as f:
+    json.dump(pinned, f)
+  assert token_equality.main(["--against", out, "--smoke"]) == 1
+  assert f"  {name}: " in capsys.readouterr().out

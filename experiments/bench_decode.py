@@ -91,7 +91,7 @@ def teacher_forced(loaded, batches: int = 4) -> dict:
   m = train.validation_metrics(jax.jit(steps_lib.make_eval_step(loaded.model, loaded.config)),
                                loaded.params, loaded.config, None, batches=batches)
   return {"agreement": np.asarray(m["head_agree"]).round(4).tolist(),
-          **acceptance.from_metrics(m, legacy=False)}
+          **acceptance.from_metrics(m)}
 
 
 def parse_variants(text: str, n_future: int) -> list[dict]:

@@ -177,8 +177,7 @@ class Scorer:
       s = self.eval_step(params, {"tokens": self.tf[i:i + 4], "segment_ids": self.seg[i:i + 4]})
       sums = s if sums is None else jax.tree.map(jnp.add, sums, s)
     from mtp_jax import loss as loss_lib
-    ev = acceptance.from_metrics(loss_lib.summarise(sums, np.ones(a.n_future), 0.0)[1],
-                                 legacy=False)
+    ev = acceptance.from_metrics(loss_lib.summarise(sums, np.ones(a.n_future), 0.0)[1])
     self.spec.params = self.spec_s.params = decode_lib.slice_heads(params, a, a.n_future)[0]
     out = {"alpha_greedy": ev["alpha_greedy"], "alpha_sampled": ev["alpha_sampled"],
            "a_estimate_greedy": ev[f"{acceptance.ESTIMATE}_greedy"],

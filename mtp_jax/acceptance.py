@@ -38,7 +38,7 @@ import numpy as np
 MODES = ("greedy", "sampled")
 PNG = "acceptance.png"  # in a training workdir: alpha_k over the run's evals
 ESTIMATE = "a_estimate_teacher_forced"  # f"{ESTIMATE}_{mode}": leviathan_a of teacher-forced alphas
-LEGACY = "a_bound"  # its old name, in results written before (and train.validation_metrics' pick)
+LEGACY = "a_bound"  # its old name, in results written before the rename
 
 
 def renamed(key: str) -> str:
@@ -80,19 +80,16 @@ def from_hist(accepted_hist) -> list[float]:
           for j in range(1, len(h))]
 
 
-def from_metrics(metrics: dict, legacy: bool = True) -> dict:
+def from_metrics(metrics: dict) -> dict:
   """{"alpha_greedy": [...], "a_estimate_teacher_forced_greedy": x, (and _sampled)} for heads
   2..n, from eval metrics holding head_alpha_<mode> arrays (what `loss.summarise` gives); modes
-  absent skipped. legacy: the estimate also under its old name, a_bound_<mode>, the key
-  train.validation_metrics keeps (by that prefix) until it reads the new one."""
+  absent skipped."""
   out = {}
   for mode in MODES:
     if f"head_alpha_{mode}" in metrics:
       alphas = np.asarray(metrics[f"head_alpha_{mode}"], np.float64)[1:]
       out[f"alpha_{mode}"] = [round(float(a), 4) for a in alphas]
       out[f"{ESTIMATE}_{mode}"] = round(leviathan_a(alphas), 4)
-      if legacy:
-        out[f"{LEGACY}_{mode}"] = out[f"{ESTIMATE}_{mode}"]
   return out
 
 
@@ -106,7 +103,7 @@ def from_summary(summary: dict, prefix: str = "eval/") -> dict:
       k += 1
     if alphas:
       out[f"head_alpha_{mode}"] = [1.0] + alphas
-  return from_metrics(out, legacy=False)
+  return from_metrics(out)
 
 
 def plot_run(workdir: str, metrics_file: str = "metrics.jsonl", min_evals: int = 1) -> str | None:

@@ -38,6 +38,7 @@ from mtp_jax import workdir as workdir_lib
 from mtp_jax.checkpoint import Checkpointer
 from mtp_jax.config import validation
 from mtp_jax.data import pipeline, tokenizers
+from mtp_jax.data import rows as rows_lib
 from mtp_jax.metrics import MetricsWriter, machine, write_summary
 from mtp_jax.model import param_count
 
@@ -121,8 +122,18 @@ def validation_metrics(eval_step, params, config, batch_sharding,
   out = {k: np.asarray(m[k]) for k in ("head_loss", "head_acc", "head_agree", "head_alpha_greedy",
                                         "head_alpha_sampled", "head_tokens") if k in m}
   acc = acceptance.from_metrics(out)
-  out.update({k: v for k, v in acc.items() if k.startswith("a_bound")})
+  out.update({k: v for k, v in acc.items() if k.startswith(acceptance.ESTIMATE)})
   return out
+
+
+def _per_process(n: int) -> list[int]:
+  """Every process's `n`, in process order (a collective: every process calls it)."""
+  if jax.process_count() == 1:
+    return [n]
+  from jax.experimental import multihost_utils
+  parts = np.asarray(multihost_utils.process_allgather(  # int32 halves: jax without x64
+      np.array([n >> 31, n & (2**31 - 1)], np.int32))).reshape(-1, 2).astype(np.int64)
+  return [int(hi << 31 | lo) for hi, lo in parts]
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -155,6 +166,19 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   shard_lib.check_batch(config, mesh)
   training = steps_lib.build_training(config, mesh)
   model, batch_sh, train_step = training.model, training.batch_sharding, training.step
+  # This process's rows of each batch; token shards read only those (data/rows.py), other
+  # corpora pack the whole global batch in every process and hand the devices their rows.
+  rows = shard_lib.local_rows(config.train.batch_size, batch_sh)
+  packs_all = rows_lib.unsupported(config.data)
+  if not packs_all:
+    train_it = rows_lib.make_local_iterator(config, rows)
+  elif n_processes > 1 and primary:
+    print(f"warning: every process packs the whole global batch ({packs_all}); prepare the "
+          "corpus once with `python -m mtp_jax.data.prepare` to read only each process's rows",
+          file=sys.stderr, flush=True)
+  whole = bool(packs_all) or rows == [(0, config.train.batch_size)]  # the batch is all here
+  put = (lambda b: shard_lib.shard_batch(b, batch_sh)) if whole else (
+      lambda b: rows_lib.put_local_rows(b, batch_sh, rows, config.train.batch_size))
   ckpt = Checkpointer(workdir_lib.checkpoints_dir(workdir), keep=config.train.keep_checkpoints,
                       async_save=config.train.async_checkpoints, timeout_s=timeout)
   restored = ckpt.restore_latest(training.abstract_state(), train_it)
@@ -187,11 +211,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         if flops_per_token else None)
   writer = MetricsWriter(workdir, total_steps=steps, tokens_per_step=tokens_per_step,
                          mfu=mfu_of, primary=primary)
-  batches_f = open(workdir_lib.batches_path(workdir), "a") if primary else None
-  rows = shard_lib.local_rows(config.train.batch_size, batch_sh)
+  batches_f = open(workdir_lib.batches_path(workdir), "a") if primary and whole else None
   rows_f = (open(workdir_lib.process_batches_path(workdir, process, n_processes), "a")
             if n_processes > 1 else None)
-  pending = None
+  pending, tokens_read = None, 0
   t_log, step_log, t_first = time.time(), start, None
 
   def handle(step, metrics):
@@ -212,14 +235,16 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   try:
     with _StopFlag() as stop, shard_lib.activation_rules(mesh, config):
       for step in range(start, end):
-        batch = next(train_it)  # the global batch: the same in every process
+        batch = next(train_it)  # the global batch (`whole`), or this process's rows of it
+        tokens_read += int(np.count_nonzero(batch["segment_ids"]))
         if batches_f:
           batches_f.write(f"{step} {steps_lib.batches_sha256([batch])}\n")
         if rows_f:
-          mine = {k: np.concatenate([v[a:b] for a, b in rows]) for k, v in batch.items()}
+          mine = batch if not whole else {
+              k: np.concatenate([v[a:b] for a, b in rows]) for k, v in batch.items()}
           rows_f.write(f"{step} {steps_lib.batches_sha256([mine])} rows "
                        + ",".join(f"{a}:{b}" for a, b in rows) + "\n")
-        state, metrics = train_step(state, shard_lib.shard_batch(batch, batch_sh))
+        state, metrics = train_step(state, put(batch))
         if pending is not None:
           handle(*pending)  # metrics read one step late: no host sync on the step just issued
         pending = (step + 1, metrics)
@@ -268,6 +293,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       "processes": n_processes,
       "devices": jax.device_count(),
       "params_sha256": steps_lib.params_sha256(state.params),
+      # The tokens of the train rows each process read from the corpus in this run: 1/P of the
+      # batches' where it reads its own rows (`reads_own_rows`), all of them where it packs.
+      "tokens_read_per_process": _per_process(tokens_read),
+      "reads_own_rows": not packs_all,
       "head_kind": config.model.heads.kind,
       "n_future": config.model.n_future,
       "interrupted": bool(stop.signum),

@@ -30,10 +30,7 @@ def test_greedy_alpha_counts_a_chain_hand_worked():
   np.testing.assert_allclose(m["head_agree"], [1.0, 0.75, 2 / 3])
   acc = acceptance.from_metrics(m)
   est = 1 + 0.75 + 0.75 * 0.5
-  assert acc == {"alpha_greedy": [0.75, 0.5], "a_estimate_teacher_forced_greedy": est,
-                 "a_bound_greedy": est}  # the old name, for train.validation_metrics' pick
-  assert acceptance.from_metrics(m, legacy=False) == {"alpha_greedy": [0.75, 0.5],
-                                                      "a_estimate_teacher_forced_greedy": est}
+  assert acc == {"alpha_greedy": [0.75, 0.5], "a_estimate_teacher_forced_greedy": est}
 
 
 def _reference_sampled(h, w, tokens, seg):

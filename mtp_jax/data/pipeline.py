@@ -29,8 +29,8 @@ function of the step alone; `sharding.shard_batch` then hands each process's dev
 rows of it. So 1, 2 or N processes train on identical batches (batches.log), and the iterator
 state, the same on every process, restores on any process count (checkpoint.py). The price is
 that each host packs the whole global batch, not 1/P of it: a few MB of int32 a step and the
-tokenizer's time for its tokens, small beside a step of a model worth a pod. Pre-tokenized
-corpora (data.corpus=array_record) make it a read.
+tokenizer's time for its tokens. On token shards (data.corpus=array_record) the train loop
+reads instead only its own rows of each batch (rows.py), the same rows bit for bit.
 """
 
 from __future__ import annotations

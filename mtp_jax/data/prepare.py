@@ -13,10 +13,11 @@ csv: what `hf download` leaves). Documents are tokenized in P worker processes (
 --chunk documents, in order) and document k goes to shard k mod N: shards are balanced and the
 record order is the source's order, whatever P. Each record is the document's ids as
 little-endian uint16 (vocab <= 65536) or int32, without bos/eos (the pipeline adds them).
-`DIR/metadata.json` is written last: the tokenizer (kind, file, sha256, vocab, special ids),
-dtype, source, documents, tokens and each shard's records, tokens and bytes. Training refuses
-shards without it, shards whose size differs from it, and a config whose tokenizer differs
-from it.
+Beside each shard, `<shard>.lengths.npy` holds its records' token counts (uint32): what lets
+each process of a run read only its own rows (rows.py). `DIR/metadata.json` is written last:
+the tokenizer (kind, file, sha256, vocab, special ids), dtype, source, documents, tokens and
+each shard's records, tokens and bytes. Training refuses shards without it, shards whose size
+differs from it, and a config whose tokenizer differs from it.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from mtp_jax import config as config_lib
 from mtp_jax import distributed
 from mtp_jax import steps as steps_lib
 from mtp_jax import workdir as workdir_lib
-from mtp_jax.data import pipeline
+from mtp_jax.data import corpora, pipeline, prepare
 
 STEPS = 6
 TIMEOUT_S = 30  # mesh.distributed_timeout_s of the 2-process runs: heartbeats and barriers
@@ -151,8 +151,13 @@ def test_process_zero_alone_writes_the_run_files(runs):
   for name in ("summary.json", "metrics.jsonl", "config.json", "batches.log"):
     assert names.count(name) == 1
   assert not [n for n in names if n.endswith(".tmp")]
-  (rc0, out0, _), (rc1, out1, _) = runs["out_two"]
+  (rc0, out0, err0), (rc1, out1, _) = runs["out_two"]
   assert f"step {STEPS}/{STEPS}" in out0 and "params_sha256" in out0
+  # A corpus packed while training: every process packs the whole batch, and says so once.
+  assert len([line for line in err0.splitlines() if line.startswith(
+      "warning: every process packs the whole global batch")]) == 1, err0[-2000:]
+  assert summary(two)["tokens_read_per_process"] == summary(runs["one"])[
+      "tokens_read_per_process"] * 2
   # Process 1 prints nothing of its own (gloo's C++ prints its connections in every process).
   # Gloo's own connection lines (two threads: they can interleave mid-line) are not ours.
   gloo = lambda line: "[Gloo]" in line or "peer ranks" in line or not line.strip()
@@ -179,6 +184,56 @@ def test_each_process_feeds_its_own_rows_of_the_global_batch(runs):
       mine = {k: np.concatenate([v[a:b] for a, b in spans]) for k, v in batch.items()}
       assert digest == steps_lib.batches_sha256([mine]), (p, step)
   assert sorted(covered) == list(range(config.train.batch_size))  # disjoint, and the whole
+
+
+# Heavy tier: three more runs (~90 s) on a prepared corpus; that each process reads only its
+# rows of the same global batch is tests/test_rows.py's in make test, for 1, 2 and 4 processes.
+@pytest.mark.heavy
+def test_on_token_shards_each_process_reads_only_its_rows(corpus, tmp_path):
+  """The code corpus prepared as token shards: each of 2 processes reads half the tokens that
+  one process reads, its rows are its devices' rows of the global batch one process makes, and
+  the params equal those of 2 processes that each pack the whole batch (the same shards without
+  their lengths files)."""
+  prepare.prepare(f"folder:{corpus['folder']}", "byte", str(tmp_path / "shards"), shards=2,
+                  workers=0)
+  old = _copy(tmp_path / "shards", tmp_path / "old_shards")
+  for f in old.glob("*" + corpora.LENGTHS_SUFFIX):
+    f.unlink()
+  shards = lambda d: (f"--config.data.files={d}/tokens-*.array_record",
+                      "--config.data.corpus=array_record")
+  one, two, packs = tmp_path / "one", tmp_path / "two", tmp_path / "two_packing"
+  train(corpus, one, 1, *shards(tmp_path / "shards"))
+  (_, _, err0), _ = train(corpus, two, 2, *shards(tmp_path / "shards"))
+  assert "warning:" not in err0
+  (_, _, err0), _ = train(corpus, packs, 2, *shards(old))
+  assert "warning: every process packs the whole global batch" in err0
+  a, b, c = summary(one), summary(two), summary(packs)
+  assert a["reads_own_rows"] and b["reads_own_rows"] and not c["reads_own_rows"]
+  assert len(a["tokens_read_per_process"]) == 1 and len(b["tokens_read_per_process"]) == 2
+  for n in b["tokens_read_per_process"]:
+    assert n == pytest.approx(a["tokens_read_per_process"][0] / 2, rel=0.1)
+  assert c["tokens_read_per_process"] == a["tokens_read_per_process"] * 2
+  # Reading its rows changes nothing in what a process trains on, bit for bit. Against one
+  # process: on this corpus gloo's sums round differently from one process's in a later step
+  # (whole batch packed or not), so the losses agree to 1e-6 and params_sha256 may not.
+  assert b["params_sha256"] == c["params_sha256"]
+  assert losses(two) == losses(packs)
+  for step, loss in losses(one).items():
+    assert losses(two)[step] == pytest.approx(loss, rel=1e-6)
+  config = workdir_lib.read_config(str(two))
+  it = pipeline.make_iterator(config, "train")
+  expected = [next(it) for _ in range(STEPS)]
+  assert [h for _, h in batch_hashes(one)] == [steps_lib.batches_sha256([e]) for e in expected]
+  assert batch_hashes(packs) == batch_hashes(one)
+  for p in range(2):
+    with open(workdir_lib.process_batches_path(str(two), p, 2)) as f:
+      lines = [line.split() for line in f]
+    spans = [tuple(map(int, s.split(":"))) for s in lines[0][3].split(",")]
+    assert spans == [(p * 2, p * 2 + 2)]  # tiny: 4 rows, 2 per process
+    assert [line[0] for line in lines] == [str(s) for s in range(STEPS)]
+    for (_, digest, _, _), batch in zip(lines, expected):
+      mine = {k: np.concatenate([v[a:b] for a, b in spans]) for k, v in batch.items()}
+      assert digest == steps_lib.batches_sha256([mine])
 
 
 def _copy(src, dst):

@@ -22,22 +22,8 @@ import ml_collections
 
 from mtp_jax import backends
 from mtp_jax import heads
-from mtp_jax import sharding
 from mtp_jax.model_args import ModelArgs
 from mtp_jax.layers import Block, init_cache, norm_param, remat
-
-
-def embed_lookup(embedding_VxD, tokens_BxS, dtype) -> jax.Array:
-  """Rows of the embedding (cast to `dtype` first, as nn.Embed does) for `tokens_BxS`. Under
-  `sharding.activation_rules` the table is all-gathered over the `embed` axis's mesh axis
-  (fsdp) first, as FSDP gathers every weight before use, its `vocab` axis left as it is: the
-  gather is then local to each device's batch rows (a masked gather and a sum over `tensor`),
-  and in the backward pass its scatter-add reduces into the table's shards. Looking up in the
-  table as stored (`embed` over fsdp) gives rows split over D where the residual stream wants
-  them split over the batch; XLA cannot reshard that cotangent on a (data, fsdp) mesh and
-  replicates it whole on every device ("Involuntary full rematerialization")."""
-  table_VxD = sharding.constrain(jnp.asarray(embedding_VxD, dtype), ("vocab", None))
-  return sharding.constrain(jnp.take(table_VxD, tokens_BxS, axis=0), ("batch", "seq", None))
 
 
 def trunk_unroll(a: ModelArgs) -> int:
@@ -104,10 +90,7 @@ class MTPModel(nn.Module):
     embed = nn.Embed(a.padded_vocab, a.d_model, dtype=a.dtype, name="embed",
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(0.02), ("vocab", "embed")))
-    if embeddings_BxSxD is None:
-      x_BxSxD = embed_lookup(embed.embedding, tokens_BxS, a.dtype)
-    else:
-      x_BxSxD = embeddings_BxSxD
+    x_BxSxD = embed(tokens_BxS) if embeddings_BxSxD is None else embeddings_BxSxD
     if trunk_states_BxSxD is None:
       z_BxSxD, trunk_cache = Trunk(a, name="trunk")(
           x_BxSxD, positions_BxS, segment_ids_BxS, None if cache is None else cache["trunk"])
@@ -138,7 +121,7 @@ def trunk_states(params, args: ModelArgs, tokens_BxS, segment_ids_BxS=None) -> j
   """The trunk's output z_BxSxD for `tokens_BxS` (what `MTPModel` passes its heads), to be
   given back as `trunk_states_BxSxD`: heads trained on a frozen trunk compute it once."""
   B, S = tokens_BxS.shape
-  x_BxSxD = embed_lookup(params["embed"]["embedding"], tokens_BxS, args.dtype)
+  x_BxSxD = jnp.take(params["embed"]["embedding"], tokens_BxS, axis=0).astype(args.dtype)
   positions_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
   if args.n_trunk == 0:
     return x_BxSxD

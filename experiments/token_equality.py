@@ -28,6 +28,7 @@ import sys
 import jax
 import numpy as np
 
+from experiments import common
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as steps_lib
@@ -128,12 +129,11 @@ def main(argv=None):
     with np.load(os.path.join(a.against, "models.npz")) as arrays:
       models = {kind: load(kind, arrays) for kind in kinds}
   cases, wrong = run(models, windows, prompt_sets)
-  if a.out:
-    with open(os.path.join(a.out, "tokens.json"), "w") as f:
-      json.dump(cases, f, indent=1, sort_keys=True)
+  if a.out:  # stamped with the machine that pinned them
+    common.write_json({"cases": cases}, os.path.join(a.out, "tokens.json"), indent=1)
   else:
     with open(os.path.join(a.against, "tokens.json")) as f:
-      pinned = json.load(f)
+      pinned = json.load(f)["cases"]
     wrong += [f"{name}: {pinned.get(name)} -> {case}" for name, case in cases.items()
               if pinned.get(name) != case]
   print(f"{len(cases)} cases, {len(wrong)} wrong" + "".join(f"\n  {w}" for w in wrong))

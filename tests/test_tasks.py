@@ -268,6 +268,9 @@ def test_head1_predictor_matches_greedy_decoding(make_model, make_config):
   assert [pred_BxS[b, len(x) - 1] for b, x in enumerate(ids)] == greedy.tokens[:, 0].tolist()
 
 
+# Heavy tier: the experiment script trained end to end (~20 s); the task generators and their
+# scoring have the unit tests above.
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_small_tasks_script_end_to_end(data_dir, tmp_path):
   """experiments/small_tasks.py on a 2-run grid of 3 steps: trains through mtp_jax.sweeps.sweep,

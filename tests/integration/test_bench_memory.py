@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from experiments import bench_memory
 
 
+# Heavy tier: 24 programs compiled for memory_analysis (~15 s); compiled memory flat in n is
+# tests/test_loss.py's in make test.
+@pytest.mark.heavy
 def test_bench_memory_tiny_writes_its_records_and_plot(tmp_path, capsys):
   out, png = tmp_path / "m.json", tmp_path / "m.png"
   bench_memory.main(["--json", str(out), "--png", str(png), "--tiny"])

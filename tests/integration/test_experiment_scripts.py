@@ -135,6 +135,9 @@ def test_parallel_cycle(trained, tmp_path):
   assert 0 < r["forward_flops_ratio"] <= 1 and r["machine"]["cpu_count"]
 
 
+# Heavy tier: four models scored, ~14 programs compiled (~13 s); distillation is
+# tests/test_distill.py's in make test.
+@pytest.mark.heavy
 def test_distill_heads(trained, tmp_path, capsys):
   """New heads trained 1 step heads-only on the corpus and on 4 distilled documents; all four
   models scored (teacher-forced agreement, a chain of every head decoded)."""
@@ -157,6 +160,9 @@ def test_distill_heads(trained, tmp_path, capsys):
   assert "distilled: agreement" in capsys.readouterr().out
 
 
+# Heavy tier: two worker processes and transformers' generate (~13 s); greedy against HF generate is
+# tests/test_convert_families.py's and the real model's in make test.
+@pytest.mark.heavy
 def test_bench_decode_hf(trained, tmp_path):
   """Plain greedy decoding against transformers' generate on the exported model, batch 1, one
   round, each side a worker process (as the script always runs them). No speculative side (a
@@ -189,12 +195,14 @@ def test_token_equality_pins_then_compares_and_names_a_changed_case(tmp_path, ca
   assert token_equality.main(["--out", out, "--smoke"]) == 0
   assert token_equality.main(["--against", out, "--smoke"]) == 0
   assert capsys.readouterr().out.splitlines()[-1] == "4 cases, 0 wrong"
-  pinned = _json(os.path.join(out, "tokens.json"))
+  record = _json(os.path.join(out, "tokens.json"))
+  pinned = record["cases"]
+  assert record["machine"]["cpu_count"]
   assert sorted(pinned) == [f"parallel/{m}/{w}/ragged" for m in ("greedy", "sampled")
                             for w in ("chain:2", "tree:2,1")]
   name = "parallel/sampled/tree:2,1/ragged"
   pinned[name]["tokens"] = "0" * 16
   with open(os.path.join(out, "tokens.json"), "w") as f:
-    json.dump(pinned, f)
+    json.dump(record, f)
   assert token_equality.main(["--against", out, "--smoke"]) == 1
   assert f"  {name}: " in capsys.readouterr().out

@@ -128,6 +128,10 @@ def runs(corpus, tmp_path_factory):
           "sigterm": _copy(stopped, tmp / "sigterm")}
 
 
+# Heavy tier: two real processes and one of 4 devices trained (~90 s, this file's fixture);
+# tests/slurm's srun -n 2 test repeats the equality in make test-heavy as well, and the
+# launch's arguments and exit statuses are tests/test_distributed.py's in make test.
+@pytest.mark.heavy
 def test_two_processes_train_as_one_with_four_devices(runs):
   one, two = runs["one"], runs["two"]
   assert "in 2 processes" in runs["out_two"][0][1]
@@ -144,6 +148,8 @@ def test_two_processes_train_as_one_with_four_devices(runs):
   assert summary(two)["devices"] == summary(one)["devices"] == 4
 
 
+# Heavy tier: reads the ~90 s two-process fixture above.
+@pytest.mark.heavy
 def test_process_zero_alone_writes_the_run_files(runs):
   two = runs["two"]
   names = sorted(os.listdir(two))
@@ -164,6 +170,9 @@ def test_process_zero_alone_writes_the_run_files(runs):
   assert [line for line in out1.splitlines() if not gloo(line)] == [], out1
 
 
+# Heavy tier: reads the ~90 s two-process fixture above; tests/test_rows.py checks every
+# process's rows against the global batch in make test.
+@pytest.mark.heavy
 def test_each_process_feeds_its_own_rows_of_the_global_batch(runs):
   """Per step, the rows each process handed its devices (its batches.process-* log) are a
   disjoint part of the global batch that one process makes from the saved config, and together

@@ -128,9 +128,7 @@ def runs(corpus, tmp_path_factory):
           "sigterm": _copy(stopped, tmp / "sigterm")}
 
 
-# Heavy tier: two real processes and one of 4 devices trained (~90 s, this file's fixture);
-# tests/slurm's srun -n 2 test repeats the equality in make test-heavy as well, and the
-# launch's arguments and exit statuses are tests/test_distributed.py's in make test.
+# Heavy tier: the ~90 s fixture; srun -n 2 (tests/slurm) repeats it, test_distributed the launch
 @pytest.mark.heavy
 def test_two_processes_train_as_one_with_four_devices(runs):
   one, two = runs["one"], runs["two"]
@@ -148,8 +146,7 @@ def test_two_processes_train_as_one_with_four_devices(runs):
   assert summary(two)["devices"] == summary(one)["devices"] == 4
 
 
-# Heavy tier: reads the ~90 s two-process fixture above.
-@pytest.mark.heavy
+@pytest.mark.heavy  # Heavy tier: the ~90 s fixture
 def test_process_zero_alone_writes_the_run_files(runs):
   two = runs["two"]
   names = sorted(os.listdir(two))
@@ -170,8 +167,7 @@ def test_process_zero_alone_writes_the_run_files(runs):
   assert [line for line in out1.splitlines() if not gloo(line)] == [], out1
 
 
-# Heavy tier: reads the ~90 s two-process fixture above; tests/test_rows.py checks every
-# process's rows against the global batch in make test.
+# Heavy tier: the ~90 s fixture; each process's rows of the batch are test_rows.py's
 @pytest.mark.heavy
 def test_each_process_feeds_its_own_rows_of_the_global_batch(runs):
   """Per step, the rows each process handed its devices (its batches.process-* log) are a
@@ -195,8 +191,7 @@ def test_each_process_feeds_its_own_rows_of_the_global_batch(runs):
   assert sorted(covered) == list(range(config.train.batch_size))  # disjoint, and the whole
 
 
-# Heavy tier: three more runs (~90 s) on a prepared corpus; that each process reads only its
-# rows of the same global batch is tests/test_rows.py's in make test, for 1, 2 and 4 processes.
+# Heavy tier: three runs (~90 s); rows read per process, P = 1, 2, 4, are test_rows.py's
 @pytest.mark.heavy
 def test_on_token_shards_each_process_reads_only_its_rows(corpus, tmp_path):
   """The code corpus prepared as token shards: each of 2 processes reads half the tokens that
@@ -250,8 +245,7 @@ def _copy(src, dst):
   return dst
 
 
-# Heavy tier: three more multi-process runs (~60 s); exact resume is tests/test_train.py's in make
-# test, and two processes equal to one is the first test above.
+# Heavy tier: three more runs (~60 s); one process's exact resume is test_train.py's
 @pytest.mark.heavy
 def test_stop_and_resume_within_and_across_process_counts(corpus, runs):
   """stop_at 3 with 2 processes, then on to 6 with 2 processes and (a copy) with 1 process x 4
@@ -275,8 +269,7 @@ def test_stop_and_resume_within_and_across_process_counts(corpus, runs):
     assert batch_hashes(wd) == batch_hashes(runs["one"]), wd
 
 
-# Heavy tier: a kill -9 and a resume of a 2-process run (~40 s); one process's kill -9 and resume
-# are tests/test_train.py's in make test, a lost peer's exit status is tests/test_distributed.py's.
+# Heavy tier: ~40 s; one process's kill -9 is test_train.py's, exit 6 test_distributed.py's
 @pytest.mark.heavy
 def test_a_killed_process_ends_its_peer_and_the_run_resumes_exactly(corpus, runs):
   """SIGKILL of process 1 once the run is under way: process 0 exits non-zero within the
@@ -313,8 +306,7 @@ def test_a_killed_process_ends_its_peer_and_the_run_resumes_exactly(corpus, runs
   assert summary(wd)["params_sha256"] == summary(runs["one"])["params_sha256"]
 
 
-# Heavy tier: SIGTERM to a 2-process run and its resume (~40 s); one process's SIGTERM and
-# resume are tests/test_train.py's in make test.
+# Heavy tier: ~40 s; one process's SIGTERM and resume are test_train.py's
 @pytest.mark.heavy
 def test_sigterm_to_both_processes_saves_one_step_and_resumes_exactly(corpus, runs):
   """SIGTERM to both processes once the run is under way (a preemption, scancel): JAX's

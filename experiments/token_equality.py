@@ -46,16 +46,25 @@ MODES = {"greedy": {}, "sampled": {"temperature": 3.0, "seed": 3}}  # hot: the d
 MAX_NEW = 16
 
 
-def config(kind: str):
+def config(kind: str, n_future: int = 4):
+  """The cycle models' config (tests/test_decode.py's too)."""
   c = base_config()
   c.model.update(vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=64,
-                 max_len=96, n_future=4)
+                 max_len=96, n_future=n_future)
   c.model.heads.kind = kind
   c.data.seq_len = 32
   c.train.batch_size = 8
   c.train.steps = 150
   c.optim.update(lr=1e-2, warmup_steps=10)
   return c
+
+
+def cyclic_batch(rng, batch: int, seq_len: int):
+  """`batch` windows of the cycle, each from a random start."""
+  starts = rng.integers(0, len(CYCLE), size=batch)
+  idx = (starts[:, None] + np.arange(seq_len)) % len(CYCLE)
+  return {"tokens": np.asarray(CYCLE)[idx].astype(np.int32),
+          "segment_ids": np.ones((batch, seq_len), np.int32)}
 
 
 def train(kind: str, steps: int | None = None):
@@ -68,11 +77,7 @@ def train(kind: str, steps: int | None = None):
   step = jax.jit(steps_lib.make_train_step(model, tx, c), donate_argnums=0)
   rng = np.random.default_rng(0)
   for _ in range(c.train.steps):
-    starts = rng.integers(0, len(CYCLE), size=c.train.batch_size)
-    idx = (starts[:, None] + np.arange(c.data.seq_len)) % len(CYCLE)
-    batch = {"tokens": np.asarray(CYCLE)[idx].astype(np.int32),
-             "segment_ids": np.ones(idx.shape, np.int32)}
-    state, _ = step(state, batch)
+    state, _ = step(state, cyclic_batch(rng, c.train.batch_size, c.data.seq_len))
   return model.args, jax.device_get(state.params)
 
 

@@ -13,31 +13,10 @@ from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import optimizer as optim_lib
 from mtp_jax import sharding as shard_lib
 from mtp_jax import steps as train_lib
-from mtp_jax.config import base_config
 from mtp_jax.model import build_model, init_params
 
-VOCAB, PAD, EOS = 16, 14, 15
-CYCLE = [3, 7, 1, 9, 4, 12, 6, EOS]  # the trained models learn this loop, EOS included
-KINDS = ("parallel", "projection", "sequential")
-
-
-def tiny_config(kind: str, n_future: int = 4):
-  c = base_config()
-  c.model.update(vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=64,
-                 max_len=96, n_future=n_future)
-  c.model.heads.kind = kind
-  c.data.seq_len = 32
-  c.train.batch_size = 8
-  c.train.steps = 150
-  c.optim.update(lr=1e-2, warmup_steps=10)
-  return c
-
-
-def cyclic_batch(rng, batch: int, seq_len: int):
-  starts = rng.integers(0, len(CYCLE), size=batch)
-  idx = (starts[:, None] + np.arange(seq_len)) % len(CYCLE)
-  return {"tokens": np.asarray(CYCLE)[idx].astype(np.int32),
-          "segment_ids": np.ones((batch, seq_len), np.int32)}
+from experiments.token_equality import CYCLE, EOS, KINDS, PAD, cyclic_batch
+from experiments.token_equality import config as tiny_config
 
 
 @pytest.fixture(scope="module", params=KINDS)

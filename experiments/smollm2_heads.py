@@ -350,7 +350,7 @@ def main(argv=None) -> int:
     for name in args.data.split(","):  # data outer: every objective on the first data first
       for objective in args.objectives.split(","):
         same = (objective, name) == (args.kind_objective, args.kind_data)
-        if same and "kinds" in stages:  # that arm is the kinds stage's: its records count
+        if same and kinds:  # that arm is the kinds stage's (this call's or the JSON's): reused
           for r in [r for r in records if r["stage"] == "kinds" and r["kind"] == best]:
             if ("objectives", best, objective, name, r["seed"]) not in done:
               records.append(dict(r, stage="objectives"))

@@ -35,6 +35,11 @@ if (os.environ.get("MTP_JAX_TEST_COMPILE_CACHE", "1") != "0"
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
+# auto's timing cache (mtp_jax.decoding.timing_cache) off: a test decides from its own probes,
+# never from what an earlier run or another test left in the user's ~/.cache (test_timing_cache
+# sets a folder of its own).
+os.environ.setdefault("MTP_JAX_CACHE", "off")
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

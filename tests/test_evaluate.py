@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -50,6 +51,7 @@ def test_cli_writes_well_formed_results(workdir, tmp_path):
                      capture_output=True, text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
   assert "3/3 problems" in p.stderr and "pass@1" in p.stdout
+  assert re.search(r"^batch 1/\d+: \d+/6 rows, \d+ tokens/s, ETA \d+s$", p.stderr, re.M)
   r = json.loads(out.read_text())
   assert r["config"]["num_samples"] == 2 and r["config"]["k"] == [1, 2]
   assert set(r["pass_at_k"]) == {"pass@1", "pass@2"}
@@ -66,6 +68,7 @@ def test_cli_writes_well_formed_results(workdir, tmp_path):
   assert sum(r["outcomes"].values()) == 6
   d = r["decoding"]
   assert d["mode"] == "speculative" and d["tokens"] > 0 and d["tokens_per_s"] > 0
+  assert d["machine"]["backend"] == "cpu" and d["machine"]["cpu"]  # where the timings are from
   assert 1.0 <= d["tokens_per_forward"] <= 2.0  # n_future 2: at most 2 tokens per forward
   assert d["vs_greedy"]["identical"] is True and d["vs_greedy"]["speedup"] > 0
   assert d["vs_greedy"]["verdict"] in ("faster", "slower", "about the same")

@@ -119,3 +119,29 @@ def test_the_key_changes_with_batch_and_model_shape(model, cache):
   assert timing_cache.prompt_bucket(1) == 32 and timing_cache.prompt_bucket(33) == 64
   assert timing_cache.fingerprint(params) == timing_cache.fingerprint(
       jax.tree.map(np.array, params))  # a copy of the same weights
+
+
+def test_evaluation_decides_from_the_cache_and_says_so(model, cache, counted):
+  """pass@k's decoding (evaluate, tasks_eval) keeps auto's probes in the cache: a second run
+  probes nothing, and both print what deciding did and a line per batch."""
+  from types import SimpleNamespace
+
+  from mtp_jax.evaluation import passk
+  args, params = model
+  loaded = SimpleNamespace(model=SimpleNamespace(args=args), params=params,
+                           tokenizer=SimpleNamespace(pad_id=PAD, eos_id=-1))
+  kw = dict(num_samples=1, temperature=0.0, top_p=1.0, top_k=0, seed=0, mode="speculative",
+            max_new_tokens=8, batch_size=2, heads="auto")
+  runs = []
+  for _ in range(2):
+    lines = []
+    gen = passk.generate_completions(loaded, PROMPTS * 2, progress=lines.append, **kw)
+    runs.append((dict(counted), lines, gen.tokens))
+  (after_first, first, tokens1), (after_second, second, tokens2) = runs
+  assert after_first["probes"] == 2 and after_second == after_first  # nothing probed again
+  assert [t.tolist() for t in tokens1] == [t.tolist() for t in tokens2]
+  assert first[0].startswith("auto: deciding for batch 3, prompt width 56, 8 new tokens")
+  assert f"read from {cache.root} where kept" in first[0]
+  assert first[1].startswith("auto: ") and "deciding took" in first[1]
+  assert first[2].startswith("batch 1/2: 2/4 rows,") and first[3].startswith("batch 2/2: 4/4")
+  assert "0.0s of it measured" in second[1] and "0.0s of it measured" not in first[1]

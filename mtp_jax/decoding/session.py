@@ -62,11 +62,14 @@ class Session:
   keeps one session; `decode` / `resolve` / `choose` below use a fresh one per call.
   disk: a `timing_cache.DiskCache` (`timing_cache.default()`: the user's) that the probes and
   timed forwards are read from and written to, keyed by machine, model and shape, so a later
-  session decides without measuring; None (the default): measured in every session."""
+  session decides without measuring; None (the default): measured in every session.
+  progress: called with a line as a decision starts and ends (what it probes, what it chose and
+  what that took), for tools that run long (evaluate)."""
 
   def __init__(self, params, args: ModelArgs, cache_size: int = CACHE_SIZE,
-               disk: timing_cache.DiskCache | None = None):
+               disk: timing_cache.DiskCache | None = None, progress=None):
     self.params, self.args, self.disk = params, args, disk
+    self.progress = progress or (lambda line: None)
     self._choices, self._forward = _Bounded(cache_size), _Bounded(cache_size)
     self._base, self._params_key = None, None
     self.measured_seconds = 0.0  # spent probing and timing (not read from the disk cache)
@@ -170,6 +173,9 @@ class Session:
     if k != "auto":  # tree="auto" with k heads: plain, the chain of k, trees of <= k heads
       cands = [c for c in cands if c.k == 1 or c.k == k or (c.k < k and max(c.spec) > 1)]
     probe = costmodel.union(cands)
+    self.progress(f"auto: deciding for batch {batch}, prompt width {width}, {max_new_tokens} new "
+                  f"tokens among {len(cands)} candidates (probes and timed forwards"
+                  + (f", read from {self.disk.root} where kept)" if self.disk else ")"))
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
               sample_kw=sample_kw)
     r, cycle_seconds = self._probe(prompts, probe if trees else None, k=probe.k, **kw)
@@ -191,12 +197,17 @@ class Session:
     best = picked.pop("tree")
     if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
       picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism, **kw)
+    spent = time.perf_counter() - t0
+    label = ("plain decoding" if best.k == 1 else f"tree {best.name}" if tree_lib.is_tree(best)
+             else f"heads 1..{best.k}")
+    self.progress(f"auto: {label} (predicted S {picked['S_predicted']:.2f}); deciding took "
+                  f"{spent:.1f}s, {self.measured_seconds - measured0:.1f}s of it measured")
     return dict(picked, heads=best.k, tree=best if tree_lib.is_tree(best) else None,
                 probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
                        "tokens_per_forward": r.tokens_per_forward, "loop_factor": loop_factor,
                        "cycle_seconds": cycle_seconds, "plain_loop_factor": plain_loop_factor,
                        "plain_cycle_seconds": plain_cycle_seconds},
-                seconds=time.perf_counter() - t0,
+                seconds=spent,
                 measured_seconds=self.measured_seconds - measured0,  # 0: all from the cache
                 cache=self.disk.root if self.disk else None)
 

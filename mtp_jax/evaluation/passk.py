@@ -35,7 +35,7 @@ from absl import flags, logging
 from mtp_jax import acceptance, cli
 from mtp_jax import distributed
 from mtp_jax.evaluation import code_tasks
-from mtp_jax.decoding import sampling
+from mtp_jax.decoding import sampling, timing_cache
 from mtp_jax.evaluation import sandbox
 from mtp_jax import workdir as workdir_lib
 from mtp_jax.evaluation import scoring
@@ -59,7 +59,7 @@ class Generation:
 def generate_completions(loaded, prompts: list, *, num_samples: int, temperature: float,
                          top_p: float, top_k: int, seed: int, mode: str, max_new_tokens: int,
                          batch_size: int, on_batch=None, stops=(), heads="auto",
-                         tree=None) -> Generation:
+                         tree=None, progress=lambda line: None) -> Generation:
   """The one place that calls mtp_jax.decoding.decode. Rows are prompts[i] repeated num_samples
   times, decoded batch_size at a time; k = 1 (greedy) or `heads` (speculative: 1..n_future, None for
   all, or "auto", decided per batch shape; `tree`: a draft tree spec or "auto").
@@ -69,7 +69,9 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
   decoder compiles once per shape; rows never see each other). on_batch(rows, token_lists) is
   called after each batch with the row indices it decoded. stops: the task's stop sequences; a
   row ends once its cut is decided (decode's in-loop matching, for the byte tokenizer): the
-  completion after the cut is the same as if it had decoded max_new_tokens."""
+  completion after the cut is the same as if it had decoded max_new_tokens. progress: called with
+  a line per batch (rows, tokens/s, ETA) and as auto decides; auto's probes and timings are kept
+  in the timing cache (`mtp_jax.decoding.timing_cache`), so a second run decides from it."""
   from mtp_jax.decoding import decode as decode_lib
   from mtp_jax.decoding import tree as tree_lib
   args = loaded.model.args
@@ -81,7 +83,9 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
     sample_kw["stops"] = stops_lib.build(stops, *table)
   rows = [i for i in range(len(prompts)) for _ in range(num_samples)]
   gen = Generation(tokens=[None] * len(rows))
-  session = decode_lib.Session(loaded.params, args)  # "auto" decided once per batch shape
+  session = decode_lib.Session(loaded.params, args, disk=timing_cache.default(),
+                               progress=progress)  # "auto" decided once per batch shape
+  n_batches, t0 = math.ceil(len(rows) / batch_size), time.monotonic()
   for b, start in enumerate(range(0, len(rows), batch_size)):
     idx = list(range(start, min(start + batch_size, len(rows))))
     batch = [np.asarray(prompts[rows[r]], np.int32) for r in idx]
@@ -110,6 +114,10 @@ def generate_completions(loaded, prompts: list, *, num_samples: int, temperature
       gen.first_batch = (batch, r, n, getattr(r, "heads", k), dict(sample_kw))
     if on_batch is not None:
       on_batch(idx, out)
+    spent = time.monotonic() - t0
+    progress(f"batch {b + 1}/{n_batches}: {idx[-1] + 1}/{len(rows)} rows, "
+             f"{gen.tokens_total / max(gen.seconds, 1e-9):.0f} tokens/s, ETA "
+             f"{spent / (b + 1) * (n_batches - b - 1):.0f}s")
   return gen
 
 
@@ -190,12 +198,13 @@ def run(opts: dict, out=None) -> dict:
         top_k=opts["top_k"], seed=opts["seed"], mode=opts["mode"],
         max_new_tokens=opts["max_new_tokens"], batch_size=opts["batch_size"], on_batch=on_batch,
         stops=() if opts["no_stop_in_loop"] or len({p.stops for p in problems}) > 1
-        else problems[0].stops, heads=opts["heads"], tree=opts["tree"])
+        else problems[0].stops, heads=opts["heads"], tree=opts["tree"],
+        progress=lambda line: print(line, file=sys.stderr, flush=True))
   finally:
     runner.close()
     writer.close()
   decoding = {"mode": opts["mode"], "tokens": gen.tokens_total, "seconds": gen.seconds,
-              "compile_seconds": gen.compile_seconds,
+              "compile_seconds": gen.compile_seconds, "machine": timing_cache.machine(),
               "tokens_per_s": gen.tokens_total / max(gen.seconds, 1e-9)}
   if opts["mode"] == "speculative":
     decoding["tokens_per_forward"] = (gen.tokens_total - len(problems) * S) / max(

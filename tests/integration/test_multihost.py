@@ -391,9 +391,9 @@ def test_config_fields_win_over_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("module", ["mtp_jax.generate", "mtp_jax.evaluate",
                                     "mtp_jax.evaluation.tasks_eval"])
-def test_one_process_tools_refuse_a_multiprocess_launch(module, runs):
-  env = dict(env_for({"cache": ""}, 1), SLURM_STEP_NUM_TASKS="2")
-  p = subprocess.run([sys.executable, "-m", module, "--workdir", str(runs["one"])], env=env,
+def test_one_process_tools_refuse_a_multiprocess_launch(module, tmp_path):
+  env = dict(env_for({"cache": ""}, 1), SLURM_STEP_NUM_TASKS="2")  # refused before the workdir
+  p = subprocess.run([sys.executable, "-m", module, "--workdir", str(tmp_path)], env=env,
                      capture_output=True, text=True, timeout=120)
   assert p.returncode == 2
   assert p.stderr.strip().splitlines()[-1].startswith(

@@ -49,9 +49,14 @@ SUITE = tests --ignore=tests/tpu --ignore=tests/gpu --ignore=tests/slurm
 test-fast: install
 	$(PYTEST) -m "not slow and not integration and not heavy" $(SUITE)
 
-test: lint $(TPU_STAMP)
-	$(PYTEST) --durations=25 -m "not heavy" $(SUITE)
-	$(MAKE) test-tpu
+# The TPU stage (its venv's install, then tests/tpu) runs beside the suite, its output kept in
+# .test-tpu.log and printed after the suite's; make test fails if either fails.
+test: lint
+	@echo "make test-tpu: beside the suite (output: .test-tpu.log, printed at the end)"
+	@$(MAKE) --no-print-directory test-tpu > .test-tpu.log 2>&1 & tpu=$$!; \
+	$(PYTEST) --durations=25 -m "not heavy" $(SUITE); rc=$$?; \
+	wait $$tpu; tpu_rc=$$?; echo "--- make test-tpu (exit $$tpu_rc):"; cat .test-tpu.log; \
+	[ $$rc -eq 0 ] && [ $$tpu_rc -eq 0 ]
 
 test-heavy: install
 	$(PYTEST) --durations=10 -m heavy $(SUITE)

@@ -208,6 +208,10 @@ def test_train_cli_on_tfds_corpus_with_eval(root, tfds_dir, tmp_path):
   assert s["step"] == 6 and np.isfinite(s["eval/head1_loss"]) and np.isfinite(s["train/loss"])
 
 
+# Heavy tier: test_train's exact stop/resume on prepared token shards (~30 s); the shards'
+# reading and its iterator's exact restore stay in make test (test_train_state_restores_exactly,
+# test_rows)
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_prepare_train_stop_resume_matches_straight_run(root, prepared, tmp_path):
   shards = [f"--config.data.files={prepared[0]}/tokens-*.array_record",

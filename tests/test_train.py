@@ -185,6 +185,8 @@ def test_loss_schedules_resume_exactly(corpus, tmp_path):
   assert 0 < summary(resumed)["train/head2_objective"] < 1  # tv: a probability
 
 
+# Heavy tier: a fault repeat of test_exact_resume_after_stop's exact resume (a kill between saves)
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_kill_9_then_resume(corpus, reference, tmp_path):
   wd = tmp_path / "run"
@@ -202,6 +204,8 @@ def test_kill_9_then_resume(corpus, reference, tmp_path):
   assert summary(wd)["params_sha256"] == reference["summary"]["params_sha256"]
 
 
+# Heavy tier: a fault repeat of the exact resume above (the save on SIGTERM; ~25 s)
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_sigterm_saves_current_step_then_resumes_exactly(corpus, tmp_path):
   """SIGTERM mid-run saves the step it is at and exits 0; resumed to a later stop_at, the run

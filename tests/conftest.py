@@ -62,13 +62,13 @@ _LONGEST_FIRST = ("test_train.py", "test_sampling.py", "integration/test_smollm2
 
 def pytest_collection_modifyitems(config, items):
   tests = os.path.dirname(os.path.abspath(__file__))
-  rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+  rank, order = {name: i for i, name in enumerate(_LONGEST_FIRST)}, {}
   for item in items:
-    folder = os.path.relpath(str(item.path), tests).split(os.sep)[0]
-    if folder in _FOLDER_MARKS:
-      item.add_marker(_FOLDER_MARKS[folder])
-  items.sort(key=lambda item: rank.get(
-      os.path.relpath(str(item.path), tests).replace(os.sep, "/"), len(rank)))  # stable
+    rel = os.path.relpath(str(item.path), tests).replace(os.sep, "/")
+    if rel.split("/")[0] in _FOLDER_MARKS:
+      item.add_marker(_FOLDER_MARKS[rel.split("/")[0]])
+    order[item] = rank.get(rel, len(rank))
+  items.sort(key=order.__getitem__)  # stable
 
 
 def require(module_name: str):

@@ -10,28 +10,19 @@ import numpy as np
 import pytest
 
 from mtp_jax.decoding import decode as decode_lib
-from mtp_jax import optimizer as optim_lib
-from mtp_jax import sharding as shard_lib
-from mtp_jax import steps as train_lib
 from mtp_jax.model import build_model, init_params
 
-from experiments.token_equality import CYCLE, EOS, KINDS, PAD, cyclic_batch
+from experiments import token_equality
+from experiments.token_equality import CYCLE, EOS, KINDS, PAD
 from experiments.token_equality import config as tiny_config
 
 
 @pytest.fixture(scope="module", params=KINDS)
 def trained(request):
   """A model of each head kind trained once (150 steps) on the cyclic sequence."""
-  c = tiny_config(request.param)
-  model = build_model(c)
-  tx = optim_lib.make_optimizer(c)
-  state = train_lib.init_state(model, tx, c, shard_lib.make_mesh(c), jax.random.PRNGKey(0))
-  step = jax.jit(train_lib.make_train_step(model, tx, c), donate_argnums=0)
-  rng = np.random.default_rng(0)
-  for _ in range(c.train.steps):
-    state, metrics = step(state, cyclic_batch(rng, c.train.batch_size, c.data.seq_len))
-  assert float(metrics["head_acc"][0]) > 0.9, "the fixture model did not learn the cycle"
-  return model.args, state.params
+  args, params, head1_acc = token_equality.train(request.param)
+  assert head1_acc > 0.9, "the fixture model did not learn the cycle"
+  return args, params
 
 
 @pytest.fixture(scope="module", params=KINDS)

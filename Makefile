@@ -39,27 +39,24 @@ PYTEST_WORKERS ?= 2
 lint: install
 	$(BIN)/ruff check .
 
-# Tiers (pytest.ini): `make test` runs every test but the heavy tier (~15 minutes on 2 cores);
-# `make test-heavy` runs the heavy tier (long end-to-end repeats, each mark with its reason) and
-# the real Slurm; CI (.ci/run) runs both. `make test-fast` is the edit-test loop, the unit tests
-# without the slow ones and tests/integration (~2 minutes).
+# Tiers (pytest.ini): `make test` runs every test but the heavy tier (~13 minutes on 2 cores);
+# `make test-heavy` runs the heavy tier (long end-to-end repeats, each mark with its reason), the
+# TPU stage and the real Slurm; CI (.ci/run) runs both. `make test-fast` is the edit-test loop, the
+# unit tests without the slow ones and tests/integration (~2 minutes).
 PYTEST = $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 SUITE = tests --ignore=tests/tpu --ignore=tests/gpu --ignore=tests/slurm
 
 test-fast: install
 	$(PYTEST) -m "not slow and not integration and not heavy" $(SUITE)
 
-# The TPU stage (its venv's install, then tests/tpu) runs beside the suite, its output kept in
-# .test-tpu.log and printed after the suite's; make test fails if either fails.
 test: lint
-	@echo "make test-tpu: beside the suite (output: .test-tpu.log, printed at the end)"
-	@$(MAKE) --no-print-directory test-tpu > .test-tpu.log 2>&1 & tpu=$$!; \
-	$(PYTEST) --durations=25 -m "not heavy" $(SUITE); rc=$$?; \
-	wait $$tpu; tpu_rc=$$?; echo "--- make test-tpu (exit $$tpu_rc):"; cat .test-tpu.log; \
-	[ $$rc -eq 0 ] && [ $$tpu_rc -eq 0 ]
+	$(PYTEST) --durations=25 -m "not heavy" $(SUITE)
 
+# The TPU stage (a venv of its own with libtpu, ~0.3 GB, then tests/tpu) is in the heavy stage:
+# beside make test's suite its install and compiles took CPU from the suite's two workers.
 test-heavy: install
 	$(PYTEST) --durations=10 -m heavy $(SUITE)
+	$(MAKE) test-tpu
 	$(MAKE) test-slurm
 
 # XLA:TPU ahead of time on this host (tests/tpu: the train step with splash attention compiled

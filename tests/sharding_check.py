@@ -1,9 +1,10 @@
 """Sharded runs against one device, on 8 simulated CPU devices, in a process of their own.
 
-    python tests/sharding_check.py OUT.json
+    python tests/sharding_check.py OUT.json [CHECK ...]   (default: every check in `main`)
 
-tests/test_sharding.py runs this once (the rest of the suite keeps one device: the device count
-is fixed when jax starts) and asserts on the JSON it writes. Everything happens in one process
+tests/test_sharding.py runs this once per tier (the rest of the suite keeps one device: the
+device count is fixed when jax starts) and asserts on the JSON it writes: make test every check
+but loss_grads_one_axis, the heavy tier that one. Everything happens in one process
 so that jax starts once and each program compiles once. Meshes (data, fsdp, tensor) = (8,1,1),
 (1,8,1), (2,2,2); every head kind; a model whose sharded sizes divide by 8 (d_model 64, vocab 64
 padded to 128 rows by the default model.vocab_multiple, 4 attention heads, 2 kv heads, d_ff 128);
@@ -43,7 +44,6 @@ from mtp_jax import steps as train_lib  # noqa: E402
 from mtp_jax.checkpoint import Checkpointer  # noqa: E402
 from mtp_jax.model import build_model  # noqa: E402
 
-MESHES = ((8, 1, 1), (1, 8, 1), (2, 2, 2))
 KINDS = ("parallel", "projection", "sequential")
 # f32; ATOL is a floor for entries near 0, where shards summed in another order leave ~5e-7.
 RTOL, ATOL = 1e-5, 1e-6
@@ -135,11 +135,11 @@ def family(c):
   return c
 
 
-def check_loss_grads(results):
-  """Every kind on every mesh against one device. The parallel kind's runs (and its stacked
-  heads on `tensor`) use the family features (`family`), so they are checked on every mesh
-  without compiles of their own; the plain parallel model is sharded by check_byte_vocab,
-  check_train_step and check_decode."""
+def check_loss_grads(results, meshes=((2, 2, 2),), heads_on_tensor=True):
+  """Every kind on (2,2,2) (data, fsdp and tensor at once; with `heads_on_tensor`, the stacked
+  head axis on `tensor` too) against one device. The parallel kind's runs use the family
+  features (`family`), so they are checked sharded without compiles of their own; the plain
+  parallel model is sharded by check_byte_vocab, check_train_step and check_decode."""
   batch = make_batch()
   for kind in KINDS:
     cfg_of = family if kind == "parallel" else (lambda c: c)
@@ -147,8 +147,8 @@ def check_loss_grads(results):
     params = random_params(build_model(base_cfg), seed=1)
     (ref_loss, ref_m), ref_g = loss_and_grads(base_cfg, params, batch)[0]
     runs = [(f"{kind}/{','.join(map(str, m))}", cfg_of(make_config(kind, mesh=m)), m)
-            for m in MESHES]
-    if kind in ("parallel", "sequential"):  # the stacked head axis sharded over `tensor`
+            for m in meshes]
+    if heads_on_tensor and kind in ("parallel", "sequential"):  # stacked heads on `tensor`
       n = 2 if kind == "parallel" else 3
       c = cfg_of(make_config(kind, n_future=n, mesh=(2, 2, 2), first_rules=HEADS_ON_TENSOR))
       runs.append((f"{kind}/2,2,2/mtp_heads=tensor/n{n}", c, (2, 2, 2)))
@@ -175,6 +175,11 @@ def check_loss_grads(results):
           "seconds": round(time.perf_counter() - t0, 2)}
       print(name, results["loss_grads"][name]["grads_cmp"], f"{time.perf_counter() - t0:.1f}s",
             flush=True)
+
+
+def check_loss_grads_one_axis(results):
+  """The same on the one-axis meshes (8,1,1) and (1,8,1): every kind, all data or all FSDP."""
+  check_loss_grads(results, meshes=((8, 1, 1), (1, 8, 1)), heads_on_tensor=False)
 
 
 def random_state(abstract, seed=0):
@@ -382,14 +387,16 @@ def main(argv):
   results = {"n_devices": jax.device_count(), "loss_grads": {}, "rtol": RTOL, "atol": ATOL}
   t0 = time.perf_counter()
   checks = {"errors": check_errors, "loss_grads": check_loss_grads,
-            "train_step": check_train_step, "decode": check_decode,
-            "byte_vocab": check_byte_vocab}
+            "loss_grads_one_axis": check_loss_grads_one_axis, "train_step": check_train_step,
+            "decode": check_decode, "byte_vocab": check_byte_vocab,
+            "checkpoint": check_bytes_and_checkpoint}
+  results["check_seconds"] = {}
   with tempfile.TemporaryDirectory() as tmp:
     for name, fn in checks.items():
       if not only or name in only:
-        fn(results)
-    if not only or "checkpoint" in only:
-      check_bytes_and_checkpoint(results, tmp)
+        t1 = time.perf_counter()
+        fn(results, tmp) if name == "checkpoint" else fn(results)
+        results["check_seconds"][name] = round(time.perf_counter() - t1, 1)
   results["seconds"] = round(time.perf_counter() - t0, 1)
   with open(out_path, "w") as f:
     json.dump(results, f, indent=1)

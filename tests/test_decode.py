@@ -17,7 +17,11 @@ from experiments.token_equality import CYCLE, EOS, KINDS, PAD
 from experiments.token_equality import config as tiny_config
 
 
-@pytest.fixture(scope="module", params=KINDS)
+# Heavy tier: the projection kind's trained fixture and its tests (~25 s: 150 train steps, then
+# the decodes); its speculative = greedy on random params (random_model) stays in make test, and
+# the trained cycle's acceptance stays for parallel and sequential heads.
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.heavy)
+                                        if k == "projection" else k for k in KINDS])
 def trained(request):
   """A model of each head kind trained once (150 steps) on the cyclic sequence."""
   args, params, head1_acc = token_equality.train(request.param)

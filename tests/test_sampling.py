@@ -50,6 +50,10 @@ def make(kind: str):
   return m, params
 
 
+def heavy(param):
+  return pytest.param(param, marks=pytest.mark.heavy)
+
+
 @pytest.fixture(scope="module", params=KINDS)
 def model(request):
   return make(request.param)
@@ -94,10 +98,14 @@ def sample_rows(m, params, *, k, seed=0, n=N, **sp):
 SETTINGS = [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=1.2, top_k=5, top_p=0.9)]
 
 
+# Heavy tier: the parallel and projection kinds' chains (~20 s); the accept rule is the same code
+# for every kind, the sequential chain (whose drafts read their predecessors') and the parallel
+# heads' trees below check it in make test.
 @pytest.mark.slow
-def test_speculative_sampling_is_exact_in_distribution(model):
+@pytest.mark.parametrize("kind", [k if k == "sequential" else heavy(k) for k in KINDS])
+def test_speculative_sampling_is_exact_in_distribution(kind):
   """Per head kind, plain truncation and top-k + top-p: p-value above 1e-3 (fixed seeds)."""
-  m, params = model
+  m, params = make(kind)
   decoder = decode_lib.Decoder(params, m.args, k=K, batch=N, prompt_len=len(PROMPT),
                                max_new_tokens=T, sampling=True)
   for i, sp in enumerate(SETTINGS):
@@ -202,8 +210,9 @@ def sample_tree_rows(m, params, spec, *, n=N, seed=0, **sp):
   return r
 
 
+# Heavy tier: the projection kind's trees (~14 s); the parallel heads' trees stay in make test.
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", heads.tree_kinds())
+@pytest.mark.parametrize("kind", [k if k == "parallel" else heavy(k) for k in heads.tree_kinds()])
 def test_sampled_trees_are_exact_in_distribution(kind):
   """Per kind that drafts trees, a static and a dynamic tree, with top-k + top-p: p-value above
   1e-3 (fixed seeds); siblings past the first are really accepted, and whole paths rejected."""

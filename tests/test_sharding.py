@@ -4,8 +4,8 @@ memory per device; checkpoints restored
 on another mesh; decoding on a mesh; clear errors; the memory planner at a small size.
 
 The device count is fixed when jax starts, so the 8-device checks run in their own process
-(tests/sharding_check.py, once for the module; the JSON it writes is what these tests read) and
-the rest of the suite keeps one device.
+(tests/sharding_check.py, once for the module and tier; the JSON it writes is what these tests
+read) and the rest of the suite keeps one device.
 """
 
 from __future__ import annotations
@@ -34,12 +34,22 @@ def _run(args, timeout=600):
                         text=True, timeout=timeout, check=False)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def _check(tmp_path_factory, checks):
   out = tmp_path_factory.mktemp("sharding") / "results.json"
-  proc = _run([os.path.join(HERE, "sharding_check.py"), str(out)])
+  proc = _run([os.path.join(HERE, "sharding_check.py"), str(out), *checks])
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
   return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  return _check(tmp_path_factory, ("errors", "loss_grads", "train_step", "decode", "byte_vocab",
+                                   "checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def results_one_axis(tmp_path_factory):
+  return _check(tmp_path_factory, ("loss_grads_one_axis",))
 
 
 def _allclose(cmp):
@@ -51,10 +61,15 @@ def test_runs_on_eight_devices(results):
   assert results["n_devices"] == 8
 
 
+# Heavy tier: the one-axis meshes (8,1,1) and (1,8,1) (6 compiles, ~20 s of the module's ~100);
+# (2,2,2) shards data, fsdp and tensor at once in make test, and (1,8,1) is also make test's mesh
+# for FSDP bytes, checkpoints and decoding below.
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("mesh", MESHES)
-def test_loss_and_grads_equal_one_device(results, kind, mesh):
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.heavy)
+                                  for m in MESHES if m != "2,2,2"] + ["2,2,2"])
+def test_loss_and_grads_equal_one_device(request, kind, mesh):
+  results = request.getfixturevalue("results" if mesh == "2,2,2" else "results_one_axis")
   r = results["loss_grads"][f"{kind}/{mesh}"]
   assert _allclose(r["loss_cmp"]), r
   assert _allclose(r["head_loss_cmp"]), r

@@ -162,6 +162,10 @@ def test_exact_resume_after_stop(corpus, reference, tmp_path):
   assert batch_hashes(wd) == batch_hashes(reference["workdir"])
 
 
+# Heavy tier: three training runs (~20 s), a resume repeat with the loss schedules on; the
+# schedules' weights per step are tests/test_loss.py's, the exact resume is
+# test_exact_resume_after_stop's.
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_loss_schedules_resume_exactly(corpus, tmp_path):
   """loss.mtp_lambda_schedule, loss.head_curriculum and a draft objective, stopped at step 10

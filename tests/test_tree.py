@@ -27,7 +27,11 @@ RAGGED = [[3], [9, 4, 12, 6, 33, 3], [5, 5, 2, 11, 0, 8, 13, 10, 2, 9, 1]]
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module", params=heads.tree_kinds())
+# Heavy tier: the projection heads' trees (~25 s of compiles); the tree code (drafts, window,
+# acceptance, compaction) is the same for every kind that drafts trees, and runs on parallel
+# heads in make test.
+@pytest.fixture(scope="module", params=[k if k == "parallel" else pytest.param(
+    k, marks=pytest.mark.heavy) for k in heads.tree_kinds()])
 def model(request):
   c = tiny_config(request.param, n_future=4)
   c.model.max_len = 64

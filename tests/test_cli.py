@@ -174,7 +174,8 @@ _IN_ONE = ([("module", "mtp_jax.data.prepare", []), ("module", "mtp_jax.evaluati
                "analyze_sweep", "bench_accel", "bench_cpu_defaults", "bench_cpu_dots", "bench_data",
                "bench_decode", "bench_decode_hf", "bench_finetune", "bench_memory", "bench_sandbox",
                "bench_train", "decode_acceptance", "demo_report", "distill_heads",
-               "heads_objectives", "plan_memory", "profile_decode", "small_tasks", "sweep")])
+               "heads_objectives", "humaneval_hf", "plan_memory", "profile_decode", "small_tasks",
+               "sweep")])
 _RUN_IN_ONE = """
 import json, runpy, sys
 for kind, target, args in json.loads(sys.argv[1]):

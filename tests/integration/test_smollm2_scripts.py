@@ -92,3 +92,37 @@ def test_bench_heads_levers_smoke(gguf, tmp_path):
   assert set(r["train_tokens_per_s"]) == {"every_step_trunk", "cached_trunk",
                                           "cached_trunk_draft_vocab"}
   assert r["speedup"]["every_step_trunk"] == 1.0 and r["machine"]["cpu_model"]
+
+
+# Heavy tier: HF generate against our decoding on 2 HumanEval prompts (~20 s: an export, three
+# sides' compiles, the sandbox); HF generate equals greedy decoding in make test on SmolLM2 itself
+# (tests/integration/test_smollm2.py) and on each model family (tests/test_convert_families.py).
+@pytest.mark.heavy
+def test_humaneval_hf_smoke(gguf, tmp_path, capsys):
+  import subprocess
+  import sys
+
+  from conftest import REPO
+
+  from experiments import humaneval_hf
+  wd = str(tmp_path / "wd")
+  r = subprocess.run([sys.executable, "-m", "mtp_jax.convert", "from-gguf", "--gguf", gguf,
+                      "--out", wd, "--n_future", "3", "--heads", "sequential"], cwd=REPO,
+                     capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr[-2000:]
+  out, samples = tmp_path / "hf.json", tmp_path / "hf.jsonl"
+  assert humaneval_hf.main(["--workdir", wd, "--limit", "2", "--max_new_tokens", "8",
+                            "--json", str(out), "--samples_out", str(samples)]) == 0
+  rec = json.loads(out.read_text())
+  assert rec["problems"] == 2 and rec["heads"] == 3 and rec["prompt_format"] == "chat"
+  assert rec["tokens_equal_plain_hf"] == rec["completions_equal"] == rec["outcomes_equal"] == 2
+  assert [p["lengths"]["hf"] for p in rec["per_problem"]] == [8, 8]  # no EOS: random weights
+  assert len(samples.read_text().splitlines()) == 2 and rec["machine"]["cpu_model"]
+  # evaluate's samples file compared too: a changed completion is found and the exit is 1
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"task_id": "HumanEval/0", "completion": "pass"}\n'
+                 '{"task_id": "HumanEval/1", "completion": "pass"}\n')
+  assert humaneval_hf.main(["--workdir", wd, "--limit", "2", "--max_new_tokens", "8",
+                            "--samples_file", str(bad), "--json", str(out)]) == 1
+  assert json.loads(out.read_text())["completions_equal"] == 0
+  assert "completions equal (evaluate too): 0/2" in capsys.readouterr().out

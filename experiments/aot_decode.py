@@ -130,7 +130,7 @@ def estimate(target_text: str, sizes: list[str], make_config, k: int, dtype: str
       "dtype": dtype, "estimate": aot.estimate_note(device),
       "what": what + "; the unembedding aside, as decode.forward_seconds",
       "acceptance_from": os.path.relpath(acceptance_path),
-      "acceptance_note": f"a_batch measured on a CPU-trained 4-head model (bench_decode.py, "
-                         f"greedy, prompt_len {acceptance_prompt_len}, step "
-                         f"{accepted[1].get('step')}), not on these shapes",
+      "acceptance_note": f"a_batch measured on CPU by bench_decode.py (greedy, {k} heads, "
+                         f"prompt_len {acceptance_prompt_len}, step {accepted[1].get('step')}) "
+                         f"on the model of {os.path.relpath(acceptance_path)}",
       "runs": runs}

@@ -180,7 +180,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--prompt_len", type=int, default=None, help="default: 128 (tiny: 8)")
   ap.add_argument("--max_new_tokens", type=int, default=None, help="default: 128 (tiny: 16)")
   ap.add_argument("--decode_reps", type=int, default=3, help="timed decode calls (fastest kept)")
-  ap.add_argument("--workdir", default=None, help="decode this trained model instead")
+  ap.add_argument("--workdir", default=None, help="decode this trained model instead (with "
+                  "--target: its shape, with --acceptance measured on it)")
   ap.add_argument("--set", nargs="*", default=[], help="config overrides: model.remat_policy=full")
   ap.add_argument("--json", default=None, help="also write the record here")
   ap.add_argument("--target", default="", help="tpu:TOPOLOGY or gpu:h100|h200: the compiler's "
@@ -247,13 +248,36 @@ def main(argv=None) -> dict:
   return record
 
 
+def workdir_config(workdir: str, n_future: int, dtype: str, overrides):
+  """`--target` with `--workdir`: the workdir's model shape (its head kind, its n_future at
+  least `n_future`) in `dtype`, for aot_decode's estimate."""
+  from mtp_jax.workdir import config_path, read_config
+  if not os.path.isfile(config_path(workdir)):
+    raise ValueError(f"--workdir: {workdir} is not a workdir (no config.json)")
+  c = read_config(workdir)
+  if c.model.n_future < n_future:
+    raise ValueError(f"--workdir: {n_future} heads needed, {workdir} has n_future "
+                     f"{c.model.n_future}")
+  c.model.dtype = dtype
+  common.apply_overrides(c, overrides)
+  return validation.validate(c)
+
+
 def _aot_main(args) -> dict:
   from experiments import aot_decode
+  dtype = args.dtype or "bfloat16"
+  if args.workdir:  # the workdir's shape, under its own name
+    sizes = [os.path.basename(os.path.normpath(args.workdir))]
+    make = lambda size, n, dt, b: workdir_config(args.workdir, n, dt, args.set)
+    record = aot_decode.estimate(args.target, sizes, make, K, dtype, args.context,
+                                 args.acceptance, args.acceptance_prompt_len)
+    record["workdir"] = os.path.abspath(args.workdir)
+    common.emit(record, args.json)
+    return record
   sizes = [x for x in args.sizes.split(",") if x]
   bad = [x for x in sizes if x not in SIZES]
   if bad or not sizes:
     raise ValueError(f"--sizes: got {args.sizes!r}, allowed: {', '.join(SIZES)}")
-  dtype = args.dtype or "bfloat16"
   make = lambda size, n, dt, b: make_config(size, n, dt, b, args.set)
   record = aot_decode.estimate(args.target, sizes, make, K, dtype, args.context,
                                args.acceptance, args.acceptance_prompt_len)

@@ -177,18 +177,14 @@ def random_batch(config, seed: int = 0, high: int | None = None) -> dict:
           "segment_ids": np.ones((B, S), np.int32)}
 
 
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-
-
 def machine_info(accelerator: bool = True) -> dict:
   """The machine a figure was measured on, for every bench record: CPU model, the ISA flags
   that change XLA:CPU's kernels (AVX2, AVX-512, AMX), core count, and the accelerator JAX runs
   on (platform, device kind, count; starts JAX's backend unless accelerator=False)."""
   import platform
   from mtp_jax.backends.cpu import cpuinfo
-  fields = cpuinfo.cpuinfo()
-  flags_ = set((fields.get("flags") or fields.get("Features") or "").split())
-  info = {"cpu_model": cpuinfo.cpu_model_name(), "isa": {f: f in flags_ for f in ISA_FLAGS},
+  from mtp_jax import hostinfo
+  info = {"cpu_model": cpuinfo.cpu_model_name(), "isa": hostinfo.isa(),
           "cpu_count": os.cpu_count(), "arch": platform.machine()}
   vendor, family, model_id = cpuinfo.cpu_ids()
   if family is not None or model_id is not None:

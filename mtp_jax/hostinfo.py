@@ -38,6 +38,17 @@ def cpu_ids() -> tuple:
   return info.get("vendor_id") or None, number("cpu family"), number("model")
 
 
+# The ISA flags that change XLA:CPU's kernels, named in every timing record.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def isa() -> dict:
+  """{flag: present} for ISA_FLAGS, from the first CPU's flags (x86) or Features (Arm)."""
+  fields = cpuinfo()
+  present = set((fields.get("flags") or fields.get("Features") or "").split())
+  return {f: f in present for f in ISA_FLAGS}
+
+
 def cpu_model_name() -> str:
   """The first CPU's "model name" in /proc/cpuinfo, else what `platform` says."""
   return cpuinfo().get("model name") or platform.processor() or platform.machine()

@@ -2,15 +2,14 @@
 
     python tests/sharding_check.py OUT.json [CHECK ...]   (default: every check in `main`)
 
-tests/test_sharding.py runs this once per tier (the rest of the suite keeps one device: the
-device count is fixed when jax starts) and asserts on the JSON it writes: make test every check
-but loss_grads_one_axis, the heavy tier that one. Everything happens in one process
-so that jax starts once and each program compiles once. Meshes (data, fsdp, tensor) = (8,1,1),
-(1,8,1), (2,2,2); every head kind; a model whose sharded sizes divide by 8 (d_model 64, vocab 64
-padded to 128 rows by the default model.vocab_multiple, 4 attention heads, 2 kv heads, d_ff 128);
-and the byte vocabulary (259 ids, 384 rows) on (2,2,2), which `tensor` = 2 refuses unpadded.
+tests/test_sharding.py runs this once per tier (the device count is fixed when jax starts, so
+the rest of the suite keeps one device) and asserts on the JSON it writes: make test every check
+but loss_grads_one_axis, the heavy tier that one. One process, so that jax starts once and each
+program compiles once. Meshes (data, fsdp, tensor) = (8,1,1), (1,8,1), (2,2,2); every head
+kind; a model whose sharded sizes divide by 8 (d_model 64, vocab 64 padded to 128 rows by the
+default model.vocab_multiple, 4 attention heads, 2 kv heads, d_ff 128); and the byte vocabulary
+(259 ids, 384 rows) on (2,2,2), which `tensor` = 2 refuses unpadded.
 """
-
 from __future__ import annotations
 
 import os
@@ -26,6 +25,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import functools  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -136,10 +136,9 @@ def family(c):
 
 
 def check_loss_grads(results, meshes=((2, 2, 2),), heads_on_tensor=True):
-  """Every kind on (2,2,2) (data, fsdp and tensor at once; with `heads_on_tensor`, the stacked
-  head axis on `tensor` too) against one device. The parallel kind's runs use the family
-  features (`family`), so they are checked sharded without compiles of their own; the plain
-  parallel model is sharded by check_byte_vocab, check_train_step and check_decode."""
+  """Every kind on (2,2,2) (data, fsdp, tensor; `heads_on_tensor`: the stacked heads on tensor
+  too) against one device. Parallel runs carry the family features (`family`), checked sharded
+  without compiles of their own; the plain parallel model is check_byte_vocab's and others'."""
   batch = make_batch()
   for kind in KINDS:
     cfg_of = family if kind == "parallel" else (lambda c: c)
@@ -177,11 +176,6 @@ def check_loss_grads(results, meshes=((2, 2, 2),), heads_on_tensor=True):
             flush=True)
 
 
-def check_loss_grads_one_axis(results):
-  """The same on the one-axis meshes (8,1,1) and (1,8,1): every kind, all data or all FSDP."""
-  check_loss_grads(results, meshes=((8, 1, 1), (1, 8, 1)), heads_on_tensor=False)
-
-
 def random_state(abstract, seed=0):
   """A train state with random values on the abstract state's shardings, nothing compiled."""
   rng = np.random.default_rng(seed)
@@ -213,7 +207,6 @@ def check_bytes_and_checkpoint(results, workdir):
   results["bytes_fsdp8"] = {"params_device0": p_local, "params_total": p_total,
                             "opt_device0": o_local, "opt_total": o_total}
   print("bytes", results["bytes_fsdp8"], flush=True)
-
   ckpt_dir = os.path.join(workdir, "ckpt")
   with Checkpointer(ckpt_dir) as ck:
     ck.save(1, state, force=True)
@@ -347,7 +340,7 @@ def check_errors(results):
       "mesh_2,2,2_on_4_devices": lambda: shard_lib.make_mesh(
           make_config(mesh=(2, 2, 2)), jax.devices()[:4]),
       "mesh_3,-1,1_on_8_devices": lambda: shard_lib.make_mesh(make_config(mesh=(3, -1, 1))),
-      "vocab_61_on_tensor_2": lambda: _shardings(_vocab61()),
+      "vocab_61_on_tensor_2": _vocab61_shardings,
       "batch_12_on_8_rows": lambda: shard_lib.check_batch(
           _batch12(), shard_lib.make_mesh(make_config(mesh=(8, 1, 1)))),
       "distributed_bad_mode": lambda: distributed.maybe_initialize_distributed(
@@ -364,15 +357,11 @@ def check_errors(results):
   print("errors", errs, flush=True)
 
 
-def _shardings(c):
-  return train_lib.state_shardings(build_model(c), optim_lib.make_optimizer(c), c,
-                                   shard_lib.make_mesh(c))
-
-
-def _vocab61():
+def _vocab61_shardings():
   c = make_config(mesh=(2, 2, 2))
   c.model.vocab_size, c.model.vocab_multiple = 61, 1  # unpadded
-  return c
+  return train_lib.state_shardings(build_model(c), optim_lib.make_optimizer(c), c,
+                                   shard_lib.make_mesh(c))
 
 
 def _batch12():
@@ -382,15 +371,16 @@ def _batch12():
 
 
 def main(argv):
-  out_path = argv[1]
-  only = set(argv[2:])
-  results = {"n_devices": jax.device_count(), "loss_grads": {}, "rtol": RTOL, "atol": ATOL}
+  out_path, only = argv[1], set(argv[2:])
+  results = {"n_devices": jax.device_count(), "loss_grads": {}, "rtol": RTOL, "atol": ATOL,
+             "check_seconds": {}}
   t0 = time.perf_counter()
   checks = {"errors": check_errors, "loss_grads": check_loss_grads,
-            "loss_grads_one_axis": check_loss_grads_one_axis, "train_step": check_train_step,
+            "loss_grads_one_axis": functools.partial(  # all data, all FSDP
+                check_loss_grads, meshes=((8, 1, 1), (1, 8, 1)), heads_on_tensor=False),
+            "train_step": check_train_step,
             "decode": check_decode, "byte_vocab": check_byte_vocab,
             "checkpoint": check_bytes_and_checkpoint}
-  results["check_seconds"] = {}
   with tempfile.TemporaryDirectory() as tmp:
     for name, fn in checks.items():
       if not only or name in only:

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from mtp_jax import hostinfo
 from mtp_jax.backends.cpu import runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,6 +20,7 @@ YNN = runtime.CPU_XLA_FLAGS[0]
 # Prints what the process saw after apply_cpu_defaults(), once per start of the process.
 PROBE = """
 import json, os, sys
+from mtp_jax import hostinfo
 from mtp_jax.backends.cpu import runtime
 done = runtime.apply_cpu_defaults()
 out = {k: os.environ.get(k) for k in ("XLA_FLAGS", "GLIBC_TUNABLES", "MTP_JAX_REEXECED",
@@ -154,11 +156,11 @@ def test_machine_info_and_every_bench_record_names_its_machine():
   from experiments import common
   info = common.machine_info()
   assert info["cpu_count"] == os.cpu_count() and info["accelerator"]["platform"]
-  assert set(info["isa"]) == set(common.ISA_FLAGS)
+  assert set(info["isa"]) == set(hostinfo.ISA_FLAGS)
   if os.path.exists("/proc/cpuinfo"):
     with open("/proc/cpuinfo") as f:
       flags = next((l.split(":", 1)[1].split() for l in f if l.startswith("flags")), [])
-    assert info["isa"] == {k: k in flags for k in common.ISA_FLAGS}
+    assert info["isa"] == {k: k in flags for k in hostinfo.ISA_FLAGS}
     with open("/proc/cpuinfo") as f:
       family = next((l.split(":", 1)[1].strip() for l in f if l.startswith("cpu family")), None)
     assert info.get("cpu_family") == (int(family) if family else None)

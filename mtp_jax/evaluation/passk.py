@@ -29,7 +29,7 @@ import time
 
 from absl import flags, logging
 
-from mtp_jax import acceptance, cli
+from mtp_jax import acceptance, cli, hostinfo
 from mtp_jax import distributed
 from mtp_jax.evaluation import chat, code_tasks
 from mtp_jax.decoding import sampling, timing_cache
@@ -94,7 +94,8 @@ def run(opts: dict, out=None) -> dict:
     runner.close()
     writer.close()
   decoding = {"mode": opts["mode"], "tokens": gen.tokens_total, "seconds": gen.seconds,
-              "compile_seconds": gen.compile_seconds, "machine": timing_cache.machine(),
+              "compile_seconds": gen.compile_seconds,
+              "machine": dict(timing_cache.machine(), isa=hostinfo.isa()),
               "tokens_per_s": gen.tokens_total / max(gen.seconds, 1e-9)}
   if opts["mode"] == "speculative":
     decoding["tokens_per_forward"] = (gen.tokens_total - len(problems) * S) / max(

@@ -336,6 +336,9 @@ def workdir(tmp_path_factory):
   return wd
 
 
+# Heavy tier: the generate CLI sampling (~12 s of subprocess and compiles); its flags' checks
+# (test_generate_bad_input_one_line_exit_2) and the CLI in both modes greedy (test_train.py) stay.
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_generate_cli_samples_in_both_modes(workdir):
   p = subprocess.run([sys.executable, "-m", "mtp_jax.generate", "--workdir", workdir,

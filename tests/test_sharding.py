@@ -180,6 +180,9 @@ SMALL = ("--set", "model.vocab_size=256", "--set", "model.d_model=64", "--set", 
          "--set", "train.grad_accum=2", "--batch", "16")
 
 
+# Heavy tier: plan_memory.py's smoke (two compiles on 8 devices, ~16 s); per-device FSDP bytes
+# are test_fsdp8_bytes_per_device's in make test, the planner's bad mesh the test below.
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_plan_memory_small(tmp_path):
   """The 7B preset shrunk by overrides, 8 devices, fsdp 8: both compiles, per-device numbers."""

@@ -373,6 +373,9 @@ def test_generate_workdir_without_checkpoint(corpus, tmp_path):
     generate.run(str(wd), ["x"], max_new_tokens=4, mode="greedy", heads=None)
 
 
+# Heavy tier: one more training run (~13 s), from a relative workdir; the checkpoint commit
+# itself is every resume test's in make test.
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_relative_workdir_checkpoints_commit(corpus, tmp_path):
   """orbax refuses relative paths only in its background commit: a run must still checkpoint."""

@@ -77,6 +77,8 @@ def test_step_faults(tmp_path, capsys):
   assert "n_future 2: step" in capsys.readouterr().err
 
 
+# Heavy tier: a timing script's smoke (~9 s); heads-only fine-tuning is tests/test_finetune.py's.
+@pytest.mark.heavy
 def test_bench_finetune(tmp_path):
   """Heads-only against full fine-tuning on a small imported shape (vocab 32000 kept)."""
   from experiments import bench_finetune

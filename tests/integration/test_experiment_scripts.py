@@ -21,6 +21,11 @@ from conftest import REPO, copy_code_corpus, require
 from mtp_jax import train
 from mtp_jax.config import load_file, validation
 
+# Heavy tier, the whole file (~37 s with its trained fixture): smokes of the decoding scripts
+# (timings, acceptance tables, reports); the decoding they run is tests/test_decode.py's,
+# test_tree.py's and test_sampling.py's in make test.
+pytestmark = pytest.mark.heavy
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):

@@ -13,6 +13,10 @@ from conftest import tiny_config, tiny_model
 from experiments import bench_decode_options, hlo_profile, profile_decode, profile_train
 from mtp_jax.convert.workdir import write_workdir
 
+# Heavy tier, the whole file (~23 s): smokes of the profiling scripts (op classes of the decode
+# body and the train step, compile-option sets); the programs they profile are tested in make test.
+pytestmark = pytest.mark.heavy
+
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):

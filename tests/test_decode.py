@@ -99,6 +99,7 @@ def test_trained_max_length_inside_block(trained):
   assert s.accepted_hist.tolist() == [0, 0, 0, 4], s.accepted_hist
 
 
+@pytest.mark.slow  # its trained fixture: 150 steps per kind
 def test_k1_is_greedy_with_one_token_per_forward(trained):
   args, params = trained
   g, s = both(args, params, RAGGED, k=1, max_new_tokens=MAX_NEW, eos_id=-1)
@@ -191,6 +192,7 @@ def forced_costs(monkeypatch, tk_over_t1):
   monkeypatch.setattr(decode_lib.costmodel, "forward_times", fake)
 
 
+@pytest.mark.slow  # its trained fixture
 @pytest.mark.parametrize("tk_over_t1, want", [(10.0, 1), (1.0, 4)])
 def test_auto_heads_follow_the_cost_model(trained, monkeypatch, tk_over_t1, want):
   """A k-token forward 10x a one-token one: speculation loses, auto runs plain decoding; as
@@ -208,6 +210,7 @@ def test_auto_heads_follow_the_cost_model(trained, monkeypatch, tk_over_t1, want
   assert r.auto["S_predicted"] == (1.0 if want == 1 else table[4]["S_predicted"])
 
 
+@pytest.mark.slow
 def test_parallel_slot_cycle_equals_every_token_cycle(trained):
   """Parallel heads decode with heads 2..k's full block at the read slot alone (their keys and
   values written at every window token): the same drafts as every head block over every window

@@ -197,6 +197,7 @@ def test_fused_projections_same_params_and_maths(make_config):
   assert dots["on"] < dots["off"], dots
 
 
+@pytest.mark.slow  # forward and backward, twice, per kind (4 to 9 s)
 @pytest.mark.parametrize("kind", ["parallel", "sequential"])
 def test_remat_equals_no_remat(make_config, make_model, kind):
   """remat_policy 'full' and 'dots_saveable' against 'none': same parameter tree, same outputs,

@@ -37,6 +37,7 @@ def _tiny(corpus):
   return c
 
 
+@pytest.mark.slow  # a training run and generate (~9 s)
 def test_train_then_generate_each_validate_once(tmp_path, validations, capsys):
   corpus = copy_code_corpus(tmp_path)
   workdir = str(tmp_path / "run")

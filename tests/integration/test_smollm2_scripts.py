@@ -115,6 +115,7 @@ def test_humaneval_hf_smoke(gguf, tmp_path, capsys):
                             "--json", str(out), "--samples_out", str(samples)]) == 0
   rec = json.loads(out.read_text())
   assert rec["problems"] == 2 and rec["heads"] == 3 and rec["prompt_format"] == "chat"
+  assert rec["task_ids"] == ["HumanEval/0", "HumanEval/1"]
   assert rec["tokens_equal_plain_hf"] == rec["completions_equal"] == rec["outcomes_equal"] == 2
   assert [p["lengths"]["hf"] for p in rec["per_problem"]] == [8, 8]  # no EOS: random weights
   assert len(samples.read_text().splitlines()) == 2 and rec["machine"]["cpu_model"]
@@ -124,5 +125,7 @@ def test_humaneval_hf_smoke(gguf, tmp_path, capsys):
                  '{"task_id": "HumanEval/1", "completion": "pass"}\n')
   assert humaneval_hf.main(["--workdir", wd, "--limit", "2", "--max_new_tokens", "8",
                             "--samples_file", str(bad), "--json", str(out)]) == 1
+  with pytest.raises(SystemExit):  # past the last problem: the parser's one-line error
+    humaneval_hf.main(["--workdir", wd, "--offset", "163", "--limit", "2"])
   assert json.loads(out.read_text())["completions_equal"] == 0
   assert "completions equal (evaluate too): 0/2" in capsys.readouterr().out

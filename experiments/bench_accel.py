@@ -269,18 +269,16 @@ def _aot_main(args) -> dict:
   if args.workdir:  # the workdir's shape, under its own name
     sizes = [os.path.basename(os.path.normpath(args.workdir))]
     make = lambda size, n, dt, b: workdir_config(args.workdir, n, dt, args.set)
-    record = aot_decode.estimate(args.target, sizes, make, K, dtype, args.context,
-                                 args.acceptance, args.acceptance_prompt_len)
-    record["workdir"] = os.path.abspath(args.workdir)
-    common.emit(record, args.json)
-    return record
-  sizes = [x for x in args.sizes.split(",") if x]
-  bad = [x for x in sizes if x not in SIZES]
-  if bad or not sizes:
-    raise ValueError(f"--sizes: got {args.sizes!r}, allowed: {', '.join(SIZES)}")
-  make = lambda size, n, dt, b: make_config(size, n, dt, b, args.set)
+  else:
+    sizes = [x for x in args.sizes.split(",") if x]
+    bad = [x for x in sizes if x not in SIZES]
+    if bad or not sizes:
+      raise ValueError(f"--sizes: got {args.sizes!r}, allowed: {', '.join(SIZES)}")
+    make = lambda size, n, dt, b: make_config(size, n, dt, b, args.set)
   record = aot_decode.estimate(args.target, sizes, make, K, dtype, args.context,
                                args.acceptance, args.acceptance_prompt_len)
+  if args.workdir:
+    record["workdir"] = os.path.abspath(args.workdir)
   common.emit(record, args.json)
   return record
 

@@ -81,19 +81,27 @@ def jax_side(args, variant):
   return run, state
 
 
-def hf_side(args):
-  """(run(prompts) -> tokens [B, max_new], info) for transformers' generate on the exported
-  model."""
+def hf_model(workdir: str):
+  """(transformers' model of the workdir's trunk and head 1, exported with `convert to-hf`
+  into a folder gone once loaded, in float32; info naming torch, transformers and the class)."""
   import torch
   import transformers
 
   from mtp_jax.convert.workdir import export_hf
-  with tempfile.TemporaryDirectory(prefix="bench_decode_hf_") as out:  # gone once loaded
-    export_hf(args.workdir, out)
+  with tempfile.TemporaryDirectory(prefix="bench_decode_hf_") as out:
+    export_hf(workdir, out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-  model.generation_config.eos_token_id = None  # fixed work: never stop early
   info = {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
           "torch_threads": torch.get_num_threads(), "hf_architecture": type(model).__name__}
+  return model, info
+
+
+def hf_side(args):
+  """(run(prompts) -> tokens [B, max_new], info) for transformers' generate on the exported
+  model."""
+  import torch
+  model, info = hf_model(args.workdir)
+  model.generation_config.eos_token_id = None  # fixed work: never stop early
 
   def run(prompts):
     with torch.inference_mode():

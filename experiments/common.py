@@ -182,11 +182,10 @@ def machine_info(accelerator: bool = True) -> dict:
   that change XLA:CPU's kernels (AVX2, AVX-512, AMX), core count, and the accelerator JAX runs
   on (platform, device kind, count; starts JAX's backend unless accelerator=False)."""
   import platform
-  from mtp_jax.backends.cpu import cpuinfo
   from mtp_jax import hostinfo
-  info = {"cpu_model": cpuinfo.cpu_model_name(), "isa": hostinfo.isa(),
+  info = {"cpu_model": hostinfo.cpu_model_name(), "isa": hostinfo.isa(),
           "cpu_count": os.cpu_count(), "arch": platform.machine()}
-  vendor, family, model_id = cpuinfo.cpu_ids()
+  vendor, family, model_id = hostinfo.cpu_ids()
   if family is not None or model_id is not None:
     info["cpu_vendor"], info["cpu_family"], info["cpu_model_id"] = vendor, family, model_id
   if accelerator:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 if __package__ in (None, ""):
@@ -36,17 +35,12 @@ from experiments import common
 
 
 def build_prompts(loaded, workdir: str, limit: int, prompt_format: str, offset: int = 0):
-  """(problems offset..offset+limit-1, token ids) as mtp_jax.evaluation.passk.run builds them."""
+  """(problems offset..offset+limit-1, token ids) as `evaluate` builds them."""
   from mtp_jax.evaluation import chat, code_tasks
-  tok = loaded.tokenizer
   problems = code_tasks.humaneval_problems()[offset:offset + limit]
-  if prompt_format == "chat":
-    source = chat.template(workdir)
-    problems = [chat.problem(p, source, tok.token(tok.bos_id) or "", tok.token(tok.eos_id) or "")
-                for p in problems]
-  add_bos = getattr(tok, "prompt_bos", False) and prompt_format != "chat"
-  return problems, [np.asarray(tok.encode(p.prompt, add_bos=add_bos), np.int32)
-                    for p in problems]
+  template = chat.template(workdir) if prompt_format == "chat" else None
+  problems, prompts = chat.encode_problems(problems, loaded.tokenizer, template)
+  return problems, [np.asarray(p, np.int32) for p in prompts]
 
 
 def ours(loaded, prompts, *, k: int, max_new: int) -> tuple[list, float]:
@@ -62,12 +56,9 @@ def ours(loaded, prompts, *, k: int, max_new: int) -> tuple[list, float]:
 def hf_rows(workdir: str, prompts, *, eos_id: int, pad_id: int, max_new: int):
   """transformers' greedy generate on the exported model: (rows cut after EOS, seconds, info)."""
   import torch
-  import transformers
 
-  from mtp_jax.convert.workdir import export_hf
-  with tempfile.TemporaryDirectory(prefix="humaneval_hf_") as out:
-    export_hf(workdir, out)
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  from experiments.bench_decode_hf import hf_model
+  model, info = hf_model(workdir)
   rows, seconds = [], 0.0
   for p in prompts:
     x = torch.from_numpy(p[None].astype(np.int64))
@@ -78,8 +69,6 @@ def hf_rows(workdir: str, prompts, *, eos_id: int, pad_id: int, max_new: int):
     seconds += time.perf_counter() - t
     row = y[0, x.shape[1]:].tolist()
     rows.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
-  info = {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
-          "torch_threads": torch.get_num_threads(), "hf_architecture": type(model).__name__}
   return rows, seconds, info
 
 

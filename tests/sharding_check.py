@@ -1,10 +1,10 @@
 """Sharded runs against one device, on 8 simulated CPU devices, in a process of their own.
 
-    python tests/sharding_check.py OUT.json [CHECK ...]   (default: every check in `main`)
+    python tests/sharding_check.py OUT.json [CHECK ...]   (default: all but HEAVY_CHECKS)
 
 tests/test_sharding.py runs this once per tier (the device count is fixed when jax starts, so
-the rest of the suite keeps one device) and asserts on the JSON it writes: make test every check
-but loss_grads_one_axis, the heavy tier that one. One process, so that jax starts once and each
+the rest of the suite keeps one device) and asserts on the JSON it writes: make test the default
+checks, the heavy tier HEAVY_CHECKS. One process, so that jax starts once and each
 program compiles once. Meshes (data, fsdp, tensor) = (8,1,1), (1,8,1), (2,2,2); every head
 kind; a model whose sharded sizes divide by 8 (d_model 64, vocab 64 padded to 128 rows by the
 default model.vocab_multiple, 4 attention heads, 2 kv heads, d_ff 128); and the byte vocabulary
@@ -136,9 +136,10 @@ def family(c):
 
 
 def check_loss_grads(results, meshes=((2, 2, 2),), heads_on_tensor=True):
-  """Every kind on (2,2,2) (data, fsdp, tensor; `heads_on_tensor`: the stacked heads on tensor
-  too) against one device. Parallel runs carry the family features (`family`), checked sharded
-  without compiles of their own; the plain parallel model is check_byte_vocab's and others'."""
+  """Every kind on `meshes` (default (2,2,2): data, fsdp, tensor; `heads_on_tensor`: the
+  stacked heads on tensor too) against one device. Parallel runs carry the family features
+  (`family`), checked sharded without compiles of their own; the plain parallel model is
+  check_byte_vocab's and others'."""
   batch = make_batch()
   for kind in KINDS:
     cfg_of = family if kind == "parallel" else (lambda c: c)
@@ -370,23 +371,25 @@ def _batch12():
   return c
 
 
+HEAVY_CHECKS = ("loss_grads_one_axis",)  # run when named (tests/test_sharding.py's heavy tier)
+
+
 def main(argv):
-  out_path, only = argv[1], set(argv[2:])
+  out_path, named = argv[1], argv[2:]
   results = {"n_devices": jax.device_count(), "loss_grads": {}, "rtol": RTOL, "atol": ATOL,
              "check_seconds": {}}
   t0 = time.perf_counter()
-  checks = {"errors": check_errors, "loss_grads": check_loss_grads,
-            "loss_grads_one_axis": functools.partial(  # all data, all FSDP
-                check_loss_grads, meshes=((8, 1, 1), (1, 8, 1)), heads_on_tensor=False),
-            "train_step": check_train_step,
-            "decode": check_decode, "byte_vocab": check_byte_vocab,
-            "checkpoint": check_bytes_and_checkpoint}
   with tempfile.TemporaryDirectory() as tmp:
-    for name, fn in checks.items():
-      if not only or name in only:
-        t1 = time.perf_counter()
-        fn(results, tmp) if name == "checkpoint" else fn(results)
-        results["check_seconds"][name] = round(time.perf_counter() - t1, 1)
+    checks = {"errors": check_errors, "loss_grads": check_loss_grads,
+              "loss_grads_one_axis": functools.partial(  # all data, all FSDP
+                  check_loss_grads, meshes=((8, 1, 1), (1, 8, 1)), heads_on_tensor=False),
+              "train_step": check_train_step, "decode": check_decode,
+              "byte_vocab": check_byte_vocab,
+              "checkpoint": functools.partial(check_bytes_and_checkpoint, workdir=tmp)}
+    for name in named or [c for c in checks if c not in HEAVY_CHECKS]:
+      t1 = time.perf_counter()
+      checks[name](results)
+      results["check_seconds"][name] = round(time.perf_counter() - t1, 1)
   results["seconds"] = round(time.perf_counter() - t0, 1)
   with open(out_path, "w") as f:
     json.dump(results, f, indent=1)

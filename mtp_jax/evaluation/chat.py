@@ -76,3 +76,21 @@ def problem(p: code_tasks.Problem, source: str, bos_token: str = "",
   text = render(source, [{"role": "user", "content": user}], bos_token, eos_token)
   return ChatProblem(p.task_id, text + f"{RESPONSE}\n{FENCE}python\n", p.test, p.canonical,
                      (FENCE,), source=p.prompt)
+
+
+def encode_problems(problems: list, tok, chat_template: str | None, add_bos: bool = False):
+  """(problems, prompt ids) as `evaluate` decodes them: with `chat_template`, each problem as a
+  chat (`problem`, the template saying where bos goes); bos added where `add_bos` asks or the
+  tokenizer's own template starts with it (a Llama 3 tokenizer.json) outside a chat. A prompt
+  that cannot be encoded is one ValueError naming --task."""
+  if chat_template is not None:
+    problems = [problem(p, chat_template, tok.token(tok.bos_id) or "", tok.token(tok.eos_id) or "")
+                for p in problems]
+  add_bos = add_bos or (getattr(tok, "prompt_bos", False) and chat_template is None)
+  prompts = []
+  for p in problems:
+    try:
+      prompts.append(tok.encode(p.prompt, add_bos=add_bos))
+    except ValueError as e:
+      raise ValueError(f"--task: prompt of {p.task_id} cannot be encoded: {e}") from None
+  return problems, prompts

@@ -51,17 +51,7 @@ def run(opts: dict, out=None) -> dict:
   chat_template = chat.template(opts["workdir"]) if opts["prompt_format"] == "chat" else None
   loaded = workdir_lib.load_workdir(opts["workdir"])
   args, tok = loaded.model.args, loaded.tokenizer
-  if chat_template is not None:  # the template says where bos goes
-    problems = [chat.problem(p, chat_template, tok.token(tok.bos_id) or "",
-                             tok.token(tok.eos_id) or "") for p in problems]
-  prompts = []
-  for p in problems:
-    try:
-      # --add_bos, or the tokenizer's own template starts with bos (a Llama 3 tokenizer.json)
-      add_bos = opts["add_bos"] or (getattr(tok, "prompt_bos", False) and not chat_template)
-      prompts.append(tok.encode(p.prompt, add_bos=add_bos))
-    except ValueError as e:
-      raise ValueError(f"--task: prompt of {p.task_id} cannot be encoded: {e}") from None
+  problems, prompts = chat.encode_problems(problems, tok, chat_template, opts["add_bos"])
   longest = max(len(p) for p in prompts)
   if longest + opts["max_new_tokens"] > args.max_len:
     raise ValueError(f"--max_new_tokens: the longest prompt ({longest} tokens) + max_new_tokens "

@@ -1,6 +1,6 @@
 """The parallel heads' decoding cycle against the one it replaced, in one process: heads 2..k at
-the read slot alone (`ParallelHeads.decode_layout`, `DecodeReads.slot`) against every head block
-over every window token (`EveryTokenHeads`, the reference the tests compare with).
+the read slot alone (`ParallelHeads.decode_layout`, `heads.Drafting.slot_B`) against every head
+block over every window token (`EveryTokenHeads`, the reference the tests compare with).
 
     python experiments/parallel_cycle.py [--workdir /work/runs50/demo] [--batch 1]
         [--prompt_len 64] [--k 4] [--rounds 9] [--json out.json]
@@ -36,16 +36,9 @@ CYCLES = (4, 36)
 
 
 class EveryTokenHeads(ParallelHeads):
-  """Parallel heads decoded as before the slot cycle: the stacked layout, no slot read, so every
-  head block runs over every window token (the same params)."""
-
-  @classmethod
-  def decode_layout(cls, params, args):
-    return params, args
-
-  @classmethod
-  def decode_reads(cls, known_fn, unembed_DxV, pick, u_DxB=None, slots_BxN=None):
-    return None
+  """Parallel heads decoded as before the slot cycle: no slot read, so every head block runs
+  over every window token (the same params, in the decoding layout)."""
+  read_at_slot = False
 
 
 @contextlib.contextmanager

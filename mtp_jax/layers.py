@@ -209,7 +209,7 @@ class Attention(nn.Module):
   `at_B` (with a cache; [B] window indices): keys and values of all S tokens are computed and
   written, the query of window token at_B alone is answered ([B, 1, D]), as it sees the keys
   (a tree's node: the slots before the window and its ancestors). Parallel heads' drafting
-  blocks, whose output is read at one slot of a decoding window (`heads.DecodeReads.slot`)."""
+  blocks, whose output is read at one slot of a decoding window (`heads.Drafting.slot_B`)."""
   args: ModelArgs
 
   @nn.compact

@@ -73,16 +73,20 @@ class Trunk(nn.Module):
 class MTPModel(nn.Module):
   """tokens_BxS -> (h_NxBxSxD, cache). Pass `cache` (from `init_decode_cache`) and absolute
   `positions_BxS` to decode; `decoding=True` (no teacher forcing: heads that would read the
-  next tokens, sequential depths, read their own drafts; `reads`, a `heads.DecodeReads`, says
-  what they read). `trunk_states_BxSxD`: the trunk's output, computed before (heads-only training
-  on a frozen trunk computes it once per window, experiments/smollm2_heads.py); the trunk is
-  skipped, the heads read it as they read the trunk's."""
+  next tokens, sequential depths, read their own drafts). A decoding loop runs the forward in
+  two phases (`heads.Shared.phase`, mtp_jax.decoding.forward): phase "first" returns
+  ((h_1xBxSxD, z_BxSxD), cache), head 1 and the trunk's output, the trunk's cache written;
+  phase "rest" takes that z as `trunk_states_BxSxD` and `drafting` (a `heads.Drafting`) and
+  returns (h_{N-1}xBxSxD, cache), heads 2..N. `trunk_states_BxSxD` without a cache: the trunk's
+  output, computed before (heads-only training on a frozen trunk computes it once per window,
+  experiments/smollm2_heads.py); the trunk is skipped, the heads read it as they read the
+  trunk's."""
   args: ModelArgs
 
   @nn.compact
   def __call__(self, tokens_BxS, segment_ids_BxS=None, positions_BxS=None, cache=None, *,
-               embeddings_BxSxD=None, decoding: bool = False, reads=None,
-               trunk_states_BxSxD=None):
+               embeddings_BxSxD=None, decoding: bool = False, phase: str | None = None,
+               drafting=None, trunk_states_BxSxD=None):
     a = self.args
     B, S = tokens_BxS.shape
     if positions_BxS is None:
@@ -91,13 +95,16 @@ class MTPModel(nn.Module):
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(0.02), ("vocab", "embed")))
     x_BxSxD = embed(tokens_BxS) if embeddings_BxSxD is None else embeddings_BxSxD
+    if phase not in heads.PHASES:
+      raise ValueError(f"phase: got {phase!r}, allowed: {heads.PHASES}")
+    if (phase == "rest") != (trunk_states_BxSxD is not None and cache is not None):
+      raise ValueError("trunk_states_BxSxD with a decoding cache: phase 'rest' alone, which "
+                       "needs both (the first phase's trunk output and cache)")
     if trunk_states_BxSxD is None:
       z_BxSxD, trunk_cache = Trunk(a, name="trunk")(
           x_BxSxD, positions_BxS, segment_ids_BxS, None if cache is None else cache["trunk"])
-    else:
-      if cache is not None:
-        raise ValueError("trunk_states_BxSxD: not with a decoding cache (the trunk writes it)")
-      z_BxSxD, trunk_cache = trunk_states_BxSxD, None
+    else:  # the trunk already ran (phase "rest": its cache is written)
+      z_BxSxD, trunk_cache = trunk_states_BxSxD, None if cache is None else cache["trunk"]
     if a.tie_embeddings:
       unembed_DxV = embed.embedding.T
     else:
@@ -110,10 +117,15 @@ class MTPModel(nn.Module):
                           segment_ids_BxS=segment_ids_BxS,
                           norm_D=norm_param(self, "norm", a.d_model), embed_VxD=embed.embedding,
                           unembed_DxV=unembed_DxV[:, :a.vocab_size], decoding=decoding,
-                          reads=reads)
+                          phase=phase, drafting=drafting)
     h_NxBxSxD, head_cache = heads.KINDS[a.head_kind](a, name="heads")(
         z_BxSxD, shared, None if cache is None else cache["heads"])
     new_cache = None if cache is None else {"trunk": trunk_cache, "heads": head_cache}
+    if phase is not None and a.n_future > 1 and h_NxBxSxD.shape[0] == a.n_future:
+      # a kind that ignores `phase` (every head in each phase: right, its heads run twice)
+      h_NxBxSxD = h_NxBxSxD[:1] if phase == "first" else h_NxBxSxD[1:]
+    if phase == "first":
+      return (h_NxBxSxD, z_BxSxD), new_cache
     return h_NxBxSxD, new_cache
 
 

@@ -173,7 +173,7 @@ _IN_ONE = ([("module", "mtp_jax.data.prepare", []), ("module", "mtp_jax.evaluati
            + [("script", f"experiments/{s}.py", []) for s in (
                "analyze_sweep", "bench_accel", "bench_cpu_defaults", "bench_cpu_dots", "bench_data",
                "bench_decode", "bench_decode_hf", "bench_finetune", "bench_memory", "bench_sandbox",
-               "bench_train", "decode_acceptance", "demo_report", "distill_heads",
+               "bench_train", "cycle_ab", "decode_acceptance", "demo_report", "distill_heads",
                "heads_objectives", "humaneval_hf", "plan_memory", "profile_decode", "small_tasks",
                "sweep")])
 _RUN_IN_ONE = """

@@ -42,6 +42,7 @@ from scipy import special
 from mtp_jax import heads
 from mtp_jax.model_args import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, unembedding, unrolled
+from mtp_jax.decoding.forward import Forward
 from mtp_jax.decoding.tree import Tree, is_tree, parse
 
 PRIOR = 4.0  # pseudo-cycles of the pooled histogram added to each row's
@@ -117,20 +118,20 @@ def forward_program(params, args, tree: Tree, batch, context):
   else:
     pos = context + jnp.broadcast_to(jnp.arange(width), (batch, width))
 
-  kind = heads.KINDS[args.head_kind]
-  # heads 2..k read at one slot, as the decoding loops read them (parallel heads then run their
-  # full block there alone); sequential depths draft inside the forward, as without reads
+  # the decoding loops' forward in two phases: head 1 over the window, then heads 2..k read at
+  # one slot (parallel heads run their full block there alone; sequential depths read the
+  # window's tokens as the known ones and draft beyond them)
   slot_B = jnp.zeros((batch,), jnp.int32)
-  reads = (lambda w: kind.decode_reads(lambda h1: (None, slot_B), w, None)) if kind.drafts_tree \
-      else (lambda w: None)
 
   def body(p, w_DxV, carry):
     toks_BxW, c = carry
-    h_KxBxWxD, c = model.apply({"params": p}, toks_BxW, seg, positions_BxS=pos, cache=c,
-                               decoding=True, reads=reads(w_DxV))
-    out_BxW = jnp.argmax(h_KxBxWxD[0] @ w_DxV, -1)  # head 1 verifies every window token
+    fwd = Forward(model, p)
+    h1_BxWxD, z_BxWxD, c = fwd.first(toks_BxW, pos, c, seg)
+    out_BxW = jnp.argmax(h1_BxWxD @ w_DxV, -1)  # head 1 verifies every window token
     if k > 1:  # the drafting heads, at one slot (greedy cycles unembed them there only)
-      out_BxW = out_BxW + jnp.argmax(h_KxBxWxD[1:, :, :1] @ w_DxV, -1).sum(0)
+      h_K1xBxWxD, c = fwd.rest(toks_BxW, pos, c, z_BxWxD,
+                               heads.Drafting(slot_B=slot_B, after_BxS=toks_BxW), seg)
+      out_BxW = out_BxW + jnp.argmax(h_K1xBxWxD[:, :, :1] @ w_DxV, -1).sum(0)
     return out_BxW.astype(jnp.int32) % a.vocab_size, c
 
   # params are arguments, as in the decoding loops (closed over, they would be compiled in as

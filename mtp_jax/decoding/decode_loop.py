@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 from mtp_jax import heads
 from mtp_jax.heads import head_logits
 from mtp_jax.decoding import sampling as sampling_lib
+from mtp_jax.decoding.forward import Forward
 from mtp_jax.decoding import stops as stops_lib
 from mtp_jax.model_args import ModelArgs
 from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding, unrolled
@@ -149,25 +149,31 @@ def run(cycle, state: DecodeState, max_cycles, max_new_tokens: int):
   return s.out_BxM[:, :max_new_tokens], s.n_out_B, s.cycles_B, s.hist_BxX, s.forwards
 
 
-def draft_dists(h_kxBxSxD, W_DxV, slot_B, sp):
+def draft_dists(h_K1xBxSxD, W_DxV, slot_B, sp):
   """[B, k-1, V]: heads 2..k's sampling distributions at each row's slot (logits as
   heads/sequential.py computes them, so a sequential chain draws the same drafts)."""
   rows_B = jnp.arange(slot_B.shape[0])
-  if h_kxBxSxD.shape[0] == 1:
+  if h_K1xBxSxD.shape[0] == 0:
     return jnp.zeros((slot_B.shape[0], 0, W_DxV.shape[1]), jnp.float32)
   return jnp.stack([sampling_lib.probs(head_logits(h_BxSxD, W_DxV)[rows_B, slot_B], sp)
-                    for h_BxSxD in h_kxBxSxD[1:]], axis=1)
+                    for h_BxSxD in h_K1xBxSxD], axis=1)
+
+
+def argmax_drafts(c: Chain, h_K1xBxSxD, slot_B) -> jax.Array:
+  """[B, k-1]: heads 2..k's argmax at each row's slot (unembedded there only)."""
+  h_K1xBxD = h_K1xBxSxD[:, jnp.arange(slot_B.shape[0]), slot_B]
+  return jnp.argmax(logits(c.params, c.args, h_K1xBxD[:, :, None])[:, :, 0],
+                    axis=-1).T.astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
 class Chain:
   """What the chain loop's steps read, fixed for one trace: the (unrolled) params and args, the
-  model call, the unembedding, the head kind's `decode_reads`, EOS, the budget, stops."""
+  forward in two phases, the unembedding, EOS, the budget, stops."""
   params: Any
   args: ModelArgs
-  apply: Callable  # (tokens, positions, cache, reads) -> (h_kxBxSxD, cache)
+  fwd: Forward
   W_DxV: jax.Array
-  reads: Callable  # HeadKind.decode_reads (returns None for heads that read no tokens)
   eos_id: jax.Array
   max_new_tokens: int
   stop_m: Any = None
@@ -179,55 +185,47 @@ class Chain:
 
 def prefill(c: Chain, cache, prompt_BxP, prompt_len_B, first_token, pick, u_DxB):
   """The padded prompt at positions 0..P-1, each row reading its heads at len - 1; slots past a
-  row's length hold pad states that the causal mask never shows it. Sequential depths read the
-  prompt itself (then the first token, `first_token(h1_BxD)`), as in training, and draft with
-  `pick` (None: argmax) at the prompt's last k - 1 positions. Returns (h_kxBxPxD, cache, those
+  row's length hold pad states that the causal mask never shows it. Phase one gives head 1 and
+  the first token (`first_token(h1_BxD)`); in phase two sequential depths read the prompt
+  itself, then the first token, as in training, and draft with `pick` (None: argmax) at the
+  prompt's last k - 1 positions. Returns (h1_BxPxD, h_K1xBxPxD, first token [B], cache, those
   positions [B, max(k - 1, 1)])."""
   B, P = prompt_BxP.shape
   rows_B = jnp.arange(B)
   last_P_B = prompt_len_B - 1
-
-  def known(h1_BxPxD):
-    first_B = first_token(h1_BxPxD[rows_B, last_P_B])
-    after_BxP = jnp.concatenate([prompt_BxP[:, 1:], prompt_BxP[:, :1]], axis=1)
-    after_BxP = jnp.where(jnp.arange(P) == last_P_B[:, None], first_B[:, None], after_BxP)
-    return after_BxP, last_P_B
-
+  pos_BxP = jnp.broadcast_to(jnp.arange(P), (B, P))
+  h1_BxPxD, z_BxPxD, cache = c.fwd.first(prompt_BxP, pos_BxP, cache)
+  first_B = first_token(h1_BxPxD[rows_B, last_P_B])
+  after_BxP = jnp.concatenate([prompt_BxP[:, 1:], prompt_BxP[:, :1]], axis=1)
+  after_BxP = jnp.where(jnp.arange(P) == last_P_B[:, None], first_B[:, None], after_BxP)
   slots_BxN = jnp.maximum(last_P_B[:, None] - jnp.arange(max(c.k - 1, 1))[::-1], 0)
-  reads = c.reads(known, c.W_DxV, pick, u_DxB, slots_BxN)
-  h_kxBxPxD, cache = c.apply(prompt_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache, reads)
-  return h_kxBxPxD, cache, slots_BxN
+  h_K1xBxPxD, cache = c.fwd.rest(prompt_BxP, pos_BxP, cache, z_BxPxD, heads.Drafting(
+      slot_B=last_P_B, after_BxS=after_BxP, pick=pick, u_DxB=u_DxB, slots_BxN=slots_BxN))
+  return h1_BxPxD, h_K1xBxPxD, first_B, cache, slots_BxN
 
 
 def greedy_start(c: Chain, cache, prompt_BxP, prompt_len_B):
   """Greedy prefill: (first token [B], drafts [B, k-1], None, cache)."""
-  rows_B, last_P_B = jnp.arange(prompt_BxP.shape[0]), prompt_len_B - 1
   first_token = lambda h1_BxD: jnp.argmax(head_logits(h1_BxD[:, None], c.W_DxV)[:, 0],
                                           axis=-1).astype(jnp.int32)
-  h_kxBxPxD, cache, _ = prefill(c, cache, prompt_BxP, prompt_len_B, first_token, None, None)
-  h_kxBxD = h_kxBxPxD[:, rows_B, last_P_B]
-  tok_kxB = jnp.argmax(logits(c.params, c.args, h_kxBxD[:, :, None])[:, :, 0], axis=-1)
-  return tok_kxB[0].astype(jnp.int32), tok_kxB[1:].T.astype(jnp.int32), None, cache
+  _, h_K1xBxPxD, first_B, cache, _ = prefill(c, cache, prompt_BxP, prompt_len_B, first_token,
+                                             None, None)
+  return first_B, argmax_drafts(c, h_K1xBxPxD, prompt_len_B - 1), None, cache
 
 
 def greedy_cycle(c: Chain, s: DecodeState) -> DecodeState:
-  """A greedy cycle: the window [last, drafts] verified by head 1's argmax (`accept_greedy`);
-  heads 2..k at the last accepted slot propose the next drafts (unembedded there only)."""
-  k, rows_B = c.k, jnp.arange(s.last_B.shape[0])
+  """A greedy cycle: the window [last, drafts] verified by head 1's argmax (`accept_greedy`,
+  between the forward's two phases); heads 2..k at the last accepted slot propose the next
+  drafts (unembedded there only)."""
+  k = c.k
   window_BxK = jnp.concatenate([s.last_B[:, None], s.drafts_BxK1], axis=1)
-  budget_B = budget(s, c.max_new_tokens)
-
-  def known(h1_BxKxD):
-    g_BxK = jnp.argmax(head_logits(h1_BxKxD, c.W_DxV), axis=-1).astype(jnp.int32)
-    return g_BxK, accept_greedy(s.drafts_BxK1, g_BxK, s.last_B, c.eos_id, budget_B).drafts_B
-
-  reads = c.reads(known, c.W_DxV, None)
-  h_kxBxKxD, cache = c.apply(window_BxK, s.pos_B[:, None] + jnp.arange(k), s.cache, reads)
-  g_BxK = jnp.argmax(head_logits(h_kxBxKxD[0], c.W_DxV), axis=-1).astype(jnp.int32)
-  acc = accept_greedy(s.drafts_BxK1, g_BxK, s.last_B, c.eos_id, budget_B)
-  h_kxBxD = h_kxBxKxD[1:, rows_B, acc.drafts_B]
-  drafts_BxK1 = jnp.argmax(logits(c.params, c.args, h_kxBxD[:, :, None])[:, :, 0],
-                           axis=-1).T.astype(jnp.int32)
+  pos_BxK = s.pos_B[:, None] + jnp.arange(k)
+  h1_BxKxD, z_BxKxD, cache = c.fwd.first(window_BxK, pos_BxK, s.cache)
+  g_BxK = jnp.argmax(head_logits(h1_BxKxD, c.W_DxV), axis=-1).astype(jnp.int32)
+  acc = accept_greedy(s.drafts_BxK1, g_BxK, s.last_B, c.eos_id, budget(s, c.max_new_tokens))
+  h_K1xBxKxD, cache = c.fwd.rest(window_BxK, pos_BxK, cache, z_BxKxD,
+                                 heads.Drafting(slot_B=acc.drafts_B, after_BxS=g_BxK))
+  drafts_BxK1 = argmax_drafts(c, h_K1xBxKxD, acc.drafts_B)
   return commit(s, acc, g_BxK, cache, drafts_BxK1, acc.drafts_B,
                 max_new_tokens=c.max_new_tokens, stop_m=c.stop_m)
 
@@ -238,44 +236,35 @@ def greedy_cycle(c: Chain, s: DecodeState) -> DecodeState:
 def sampled_start(c: Chain, cache, prompt_BxP, prompt_len_B, sp, keys_B):
   """Sampled prefill: (first token [B], drafts [B, k-1], their distributions, cache)."""
   k, B = c.k, prompt_BxP.shape[0]
-  rows_B, last_P_B = jnp.arange(B), prompt_len_B - 1
-  u0_BxU = sampling_lib.uniforms(keys_B, last_P_B, 2 * k - 1)
+  u0_BxU = sampling_lib.uniforms(keys_B, prompt_len_B - 1, 2 * k - 1)
 
   def first_token(h1_BxD):
     lg_BxV = head_logits(h1_BxD[:, None], c.W_DxV)[:, 0]
     return sampling_lib.draw(sampling_lib.probs(lg_BxV, sp), u0_BxU[:, k - 1])
 
-  h_kxBxPxD, cache, slots_BxN = prefill(c, cache, prompt_BxP, prompt_len_B, first_token,
-                                        sampling_lib.picker(sp), u0_BxU[:, k:].T)
-  first_B = first_token(h_kxBxPxD[0, rows_B, last_P_B])
-  h_kxBxNxD = jnp.take_along_axis(h_kxBxPxD, slots_BxN[None, :, :, None], axis=2)
-  q_BxK1xV = draft_dists(h_kxBxNxD, c.W_DxV, jnp.full((B,), slots_BxN.shape[1] - 1), sp)
+  _, h_K1xBxPxD, first_B, cache, slots_BxN = prefill(
+      c, cache, prompt_BxP, prompt_len_B, first_token, sampling_lib.picker(sp), u0_BxU[:, k:].T)
+  h_K1xBxNxD = jnp.take_along_axis(h_K1xBxPxD, slots_BxN[None, :, :, None], axis=2)
+  q_BxK1xV = draft_dists(h_K1xBxNxD, c.W_DxV, jnp.full((B,), slots_BxN.shape[1] - 1), sp)
   return first_B, sampling_lib.draw(q_BxK1xV, u0_BxU[:, k:]), q_BxK1xV, cache
 
 
 def sampled_cycle(c: Chain, sp, keys_B, s: DecodeState) -> DecodeState:
   """A sampled cycle: head 1's p verifies the drafts by the speculative sampling rule
-  (`sampling.accept_sampled`); heads 2..k at the last accepted slot draw the next drafts from
-  their own distributions q."""
+  (`sampling.accept_sampled`, between the forward's two phases); heads 2..k at the last
+  accepted slot draw the next drafts from their own distributions q."""
   k = c.k
   window_BxK = jnp.concatenate([s.last_B[:, None], s.drafts_BxK1], axis=1)
-  budget_B = budget(s, c.max_new_tokens)
+  pos_BxK = s.pos_B[:, None] + jnp.arange(k)
   u_BxU = sampling_lib.uniforms(keys_B, s.pos_B, 2 * k - 1)
-
-  def rule(h1_BxKxD):  # head 1's p, then the acceptance rule: (m accepted, next token)
-    p_BxKxV = sampling_lib.probs(head_logits(h1_BxKxD, c.W_DxV), sp)
-    return sampling_lib.accept_sampled(s.drafts_BxK1, p_BxKxV, s.q_BxK1xV, u_BxU[:, :k])
-
-  def known(h1_BxKxD):
-    m_B, next_B = rule(h1_BxKxD)
-    return sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B), m_B
-
-  reads = c.reads(known, c.W_DxV, sampling_lib.picker(sp), u_BxU[:, k:].T)
-  h_kxBxKxD, cache = c.apply(window_BxK, s.pos_B[:, None] + jnp.arange(k), s.cache, reads)
-  m_B, next_B = rule(h_kxBxKxD[0])
+  h1_BxKxD, z_BxKxD, cache = c.fwd.first(window_BxK, pos_BxK, s.cache)
+  p_BxKxV = sampling_lib.probs(head_logits(h1_BxKxD, c.W_DxV), sp)
+  m_B, next_B = sampling_lib.accept_sampled(s.drafts_BxK1, p_BxKxV, s.q_BxK1xV, u_BxU[:, :k])
   out_BxK = sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B)
-  acc = gain(out_BxK, m_B, s.last_B, c.eos_id, budget_B)
-  q_BxK1xV = draft_dists(h_kxBxKxD, c.W_DxV, acc.drafts_B, sp)
+  h_K1xBxKxD, cache = c.fwd.rest(window_BxK, pos_BxK, cache, z_BxKxD, heads.Drafting(
+      slot_B=m_B, after_BxS=out_BxK, pick=sampling_lib.picker(sp), u_DxB=u_BxU[:, k:].T))
+  acc = gain(out_BxK, m_B, s.last_B, c.eos_id, budget(s, c.max_new_tokens))
+  q_BxK1xV = draft_dists(h_K1xBxKxD, c.W_DxV, acc.drafts_B, sp)
   drafts_BxK1 = sampling_lib.draw(q_BxK1xV, u_BxU[:, k:])
   return commit(s, acc, out_BxK, cache, drafts_BxK1, acc.drafts_B,
                 max_new_tokens=c.max_new_tokens, q_BxK1xV=q_BxK1xV, stop_m=c.stop_m)
@@ -287,16 +276,11 @@ def decode_chain(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max
   """Chain decoding, greedy or (sample) sampled; returns (tokens [B, max_new_tokens], lengths,
   cycles per row, histogram of drafts accepted per row [B, k], forwards)."""
   params, args = unrolled(params, args)  # the layers' weights sliced once, not per cycle
-  model = MTPModel(args)
   B, P = prompt_BxP.shape
   k = args.n_future
-  c = Chain(params=params, args=args,
-            apply=lambda toks, pos, cache, reads: model.apply(
-                {"params": params}, toks, positions_BxS=pos, cache=cache, decoding=True,
-                reads=reads),
+  c = Chain(params=params, args=args, fwd=Forward(MTPModel(args), params),
             W_DxV=unembedding(params, args)[:, :args.vocab_size],  # a pad id never wins
-            reads=heads.KINDS[args.head_kind].decode_reads, eos_id=eos_id,
-            max_new_tokens=max_new_tokens, stop_m=stop_m)
+            eos_id=eos_id, max_new_tokens=max_new_tokens, stop_m=stop_m)
   cache = init_decode_cache(args, B, P + max_new_tokens + k, dtype=args.dtype)
   if sample:
     keys_B = sampling_lib.row_keys(seed, B)

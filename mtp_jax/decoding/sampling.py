@@ -107,7 +107,7 @@ def draw(p_xV, u_x) -> jax.Array:
 
 def picker(sp: Settings):
   """pick(logits_xV, u_x) -> [x] tokens: a draw from `probs(logits, sp)` with the uniform u, how
-  sequential depths draft while sampling (`HeadKind.decode_reads`)."""
+  sequential depths draft while sampling (`heads.Drafting.pick`)."""
   return lambda logits_xV, u_x: draw(probs(logits_xV, sp), u_x)
 
 

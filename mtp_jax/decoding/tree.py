@@ -53,6 +53,7 @@ import numpy as np
 from mtp_jax import heads
 from mtp_jax.model_args import ModelArgs
 from mtp_jax.decoding import sampling as sampling_lib
+from mtp_jax.decoding.forward import Forward
 from mtp_jax.decoding.decode_loop import DecodeState, budget, commit, gain, run, start
 from mtp_jax.heads import head_logits
 from mtp_jax.model import MTPModel, init_decode_cache, logits, unembedding, unrolled
@@ -320,7 +321,6 @@ def decode_tree(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max_
   takes them; returns what decode_chain returns, the histogram per row by deepest accepted node
   [B, N] (a dynamic tree: by its depth, [B, k])."""
   params, args = unrolled(params, args)  # the layers' weights sliced once, not per cycle
-  model = MTPModel(args)
   k, N = args.n_future, tree.n_nodes
   dynamic = isinstance(tree, Dynamic)
   B, P = prompt_BxP.shape
@@ -329,30 +329,30 @@ def decode_tree(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max_
   static = None if dynamic else tree.layout(B)
   keys_B = sampling_lib.row_keys(seed, B) if sample else None
   cache = init_decode_cache(args, B, P + max_new_tokens + N, dtype=args.dtype)
-  # reads: heads 2..k are read at one slot (the prompt's last, then the deepest accepted node)
-  slot_reads = lambda slot: heads.KINDS[args.head_kind].decode_reads(
-      lambda h1_BxSxD: (None, slot(h1_BxSxD)), W_DxV, None)
-  apply = lambda toks, pos, c, seg, slot: model.apply(
-      {"params": params}, toks, seg, positions_BxS=pos, cache=c, decoding=True,
-      reads=slot_reads(slot))
+  fwd = Forward(MTPModel(args), params)
 
-  def next_tree(h_kxBxD, root_B):  # (node tokens, a dynamic tree's layout or None)
-    lg_kxBxV = logits(params, args, h_kxBxD[:, :, None])[:, :, 0]
+  def apply(toks, pos, c, seg, accepted):  # heads 2..k read at accepted(h1)'s slot alone
+    h1_BxSxD, z_BxSxD, c = fwd.first(toks, pos, c, seg)
+    slot_B, after = accepted(h1_BxSxD)
+    h_K1xBxSxD, c = fwd.rest(toks, pos, c, z_BxSxD, heads.Drafting(slot_B=slot_B), seg)
+    return h1_BxSxD, h_K1xBxSxD, slot_B, after, c
+
+  def next_tree(h_K1xBxD, root_B):  # (node tokens, a dynamic tree's layout or None)
+    lg_K1xBxV = logits(params, args, h_K1xBxD[:, :, None])[:, :, 0]
     if dynamic:
-      return draft_dynamic(lg_kxBxV[1:], root_B, N)
-    return _draft(lg_kxBxV[1:], root_B, tree), None
+      return draft_dynamic(lg_K1xBxV, root_B, N)
+    return _draft(lg_K1xBxV, root_B, tree), None
 
   last_P_B = prompt_len_B - 1
-  h_kxBxPxD, cache = apply(prompt_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache, None,
-                           lambda _: last_P_B)
-  h_kxBxD = h_kxBxPxD[:, rows_B, last_P_B]
-  lg1_BxV = logits(params, args, h_kxBxD[:1, :, None])[0, :, 0]
+  h1_BxPxD, h_K1xBxPxD, _, _, cache = apply(
+      prompt_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache, None, lambda _: (last_P_B, None))
+  lg1_BxV = logits(params, args, h1_BxPxD[rows_B, last_P_B][None, :, None])[0, :, 0]
   if sample:
     u_B = sampling_lib.uniforms(keys_B, last_P_B, 1)[:, 0]
     first_B = sampling_lib.draw(sampling_lib.probs(lg1_BxV, sp), u_B)
   else:
     first_B = jnp.argmax(lg1_BxV, axis=-1).astype(jnp.int32)
-  toks_BxN, layout = next_tree(h_kxBxD, first_B)
+  toks_BxN, layout = next_tree(h_K1xBxPxD[:, rows_B, last_P_B], first_B)
   state = start(cache, first_B, toks_BxN, None, prompt_len_B, pad_id=pad_id, eos_id=eos_id,
                 max_new_tokens=max_new_tokens, k=k, hist=k if dynamic else N, layout=layout)
 
@@ -371,9 +371,8 @@ def decode_tree(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max_
       g_BxN = jnp.argmax(lg1_BxNxV, axis=-1).astype(jnp.int32)
       return accept_greedy_tree(toks_BxN, g_BxN, t), g_BxN
 
-    h_kxBxNxD, cache = apply(toks_BxN, s.pos_B[:, None] + t.depth_BxN, s.cache, t.bits_BxN,
-                             lambda h1_BxNxD: accept(h1_BxNxD)[0])
-    best_B, after = accept(h_kxBxNxD[0])
+    _, h_K1xBxNxD, best_B, after, cache = apply(
+        toks_BxN, s.pos_B[:, None] + t.depth_BxN, s.cache, t.bits_BxN, accept)
     path_BxK = t.at_depth_BxNxK[rows_B, best_B]
     m_B = t.depth_BxN[rows_B, best_B]
     if sample:  # the accepted drafts, then the draw after them
@@ -383,7 +382,7 @@ def decode_tree(params, prompt_BxP, prompt_len_B, eos_id, pad_id, sp, seed, max_
       out_BxK = jnp.take_along_axis(after, path_BxK, axis=1)
     acc = gain(out_BxK, m_B, s.last_B, eos_id, budget_B)
     cache = compact(cache, s.pos_B, path_BxK)
-    new_toks_BxN, layout = next_tree(h_kxBxNxD[:, rows_B, best_B], acc.last_B)
+    new_toks_BxN, layout = next_tree(h_K1xBxNxD[:, rows_B, best_B], acc.last_B)
     return commit(s, acc, out_BxK, cache, new_toks_BxN, m_B if dynamic else best_B,
                   max_new_tokens=max_new_tokens, layout=layout)
 

@@ -1,6 +1,7 @@
 """The head-kind registry and what every kind shares: `HeadKind` (the base module and the hooks
 through which the rest of the code sees a kind), `Shared` (what a kind reads besides the trunk
-state), `DecodeReads` (what a kind that reads tokens reads while decoding) and `slice_params`.
+state), `Drafting` (what the decoder gives heads 2..k in a decoding forward's second phase) and
+`slice_params`.
 
 Every kind maps the trunk state z_BxSxD to h_NxBxSxD, N = n_future: head i (1-based) at
 position t predicts x_{t+i}, normalised and ready for the shared unembedding. Head 1 alone is a
@@ -53,9 +54,15 @@ class Shared:
   # Decoding, not teacher forcing: the next tokens are unknown, so a kind that reads them
   # (sequential depths) reads its own drafts instead.
   decoding: bool = False
-  # Decoding: what sequential depths read (`DecodeReads`); None: head 1's argmax, then each
-  # depth's argmax.
-  reads: Any = None
+  # A decoding forward in two phases (the decoder's, mtp_jax.decoding): "first", the trunk and
+  # head 1 (each kind returns head 1's states [1, B, S, D] and its cache with head 1's part
+  # written); the decoder reads head 1 and decides what it accepts; "rest", heads 2..k from the
+  # trunk state (each kind returns their states [k - 1, B, S, D] and the cache with their part
+  # written), reading what `drafting` says. None: every head in one forward. A kind that
+  # ignores the phase still decodes right (MTPModel keeps the heads each phase asks for), its
+  # heads run twice.
+  phase: str | None = None
+  drafting: Any = None  # `Drafting` (phase "rest"); None: sequential depths draft by argmax
 
 
 def head_logits(h_BxSxD, unembed_DxV) -> jax.Array:
@@ -67,28 +74,33 @@ def head_logits(h_BxSxD, unembed_DxV) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeReads:
-  """What the heads read while decoding, given by the decoder (mtp_jax.decoding) through
-  `HeadKind.decode_reads`.
+class Drafting:
+  """What heads 2..k read in the second phase of a decoding forward (`Shared.phase` "rest"),
+  given by the decoder after it has read head 1 and decided what the cycle accepts. Data, and
+  the decoder's draw; no call back into the decoder.
 
-  Sequential depths: known(h1_BxSxD, depths) -> [depths, B, S] int: the token depth d reads at
-  position s, x_{s+d}, where the decoder knows it (the prompt; the accepted drafts and the new
-  token of a cycle), -1 elsewhere. draft(xs_d, out_BxSxD) -> [B, S]: depth d's draft from its
-  normalised output, what depth d + 1 reads where nothing is known. xs: per-depth inputs of
-  `draft` (leading axis n_future - 1) or None.
+  slot_B [B]: the window position at which the decoder reads heads 2..k (the last accepted one;
+  prefill: the prompt's last). Parallel heads run their full block there alone and only write
+  their keys and values elsewhere (their states hold the slot's at every position).
+  after_BxS [B, S] or None: the token after each window position where the decoder knows it
+  (positions <= slot: the prompt; the accepted drafts and the cycle's new token); sequential
+  depth d reads x_{s+d} there (`known_tokens`), its own drafts beyond.
+  pick: None (sequential depths draft by argmax) or pick(logits_xV, u_x) -> tokens, the
+  decoder's draw with the row's uniform u_DxB[d - 1] for depth d. slots_BxN: the only window
+  positions where a depth drafts (prefill: the prompt's last n_future - 1), or None."""
+  slot_B: jax.Array
+  after_BxS: Any = None
+  pick: Callable | None = None
+  u_DxB: Any = None
+  slots_BxN: Any = None
 
-  Parallel heads: slot(h1_BxSxD) -> [B]: the one window position at which the decoder reads
-  heads 2..k (the last accepted one; prefill: the prompt's last), from head 1's normalised
-  states. Heads 2..k then run their full block there alone and only write their keys and
-  values elsewhere: their states in the kind's output hold the slot's at every position."""
-  known: Callable | None = None
-  draft: Callable | None = None
-  xs: Any = None
-  slot: Callable | None = None
+
+PHASES = (None, "first", "rest")
 
 
 class HeadKind(nn.Module):
-  """Base of every head kind. The module: (z_BxSxD, Shared, cache) -> (h_NxBxSxD, new cache).
+  """Base of every head kind. The module: (z_BxSxD, Shared, cache) -> (h_NxBxSxD, new cache);
+  with `Shared.phase` "first" head 1 alone, "rest" heads 2..k alone (h_1xBxSxD, h_{N-1}xBxSxD).
 
   Class attributes a kind sets:
     stacks: {name of a stacked param subtree under params["heads"]: `first`, the head that
@@ -195,15 +207,6 @@ class HeadKind(nn.Module):
     `cache_blocks` of them stacked by default; None without attention blocks."""
     n = cls.cache_blocks(args)
     return init_cache(args, n, batch, length, dtype) if n else None
-
-  @classmethod
-  def decode_reads(cls, known_fn: Callable, unembed_DxV, pick, u_DxB=None, slots_BxN=None):
-    """What the heads read while decoding (`Shared.reads`), given how the decoder knows the
-    next tokens and picks a draft from a head's logits (see SequentialHeads.decode_reads); None
-    (the default) for heads that read no tokens."""
-    del known_fn, unembed_DxV, pick, u_DxB, slots_BxN
-    return None
-
 
 def layout_kind(layout: str) -> type[HeadKind]:
   """The kind whose heads a released checkpoint layout ("meta", "deepseek") holds."""

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.heads.base import DecodeReads, HeadKind, Shared, register
+from mtp_jax.heads.base import HeadKind, Shared, register
 from mtp_jax.layers import Block, init_cache, remat, rms_norm
 from mtp_jax.model_args import ModelArgs
 
@@ -25,6 +25,9 @@ class ParallelHeads(HeadKind):
   choices = {"parallel_stack": ("vmap", "scan")}
   drafts_tree = True
   checkpoint_layouts = {"meta": {}}  # Meta's multi-token-prediction release: extra_heads
+  # Decoding (split layout, phase "rest"): heads 2..k answer the query at Drafting.slot_B alone;
+  # False: every window token (experiments/parallel_cycle.py's reference).
+  read_at_slot = True
 
   @classmethod
   def n_trunk(cls, m) -> int:
@@ -53,8 +56,9 @@ class ParallelHeads(HeadKind):
   @classmethod
   def decode_layout(cls, params, args: ModelArgs):
     """Decoding splits head 1's block ("first") from the drafting heads' stack ("blocks", heads
-    2..k), once: head 1 verifies every window token, heads 2..k run their full block at one
-    slot (`DecodeReads.slot`). parallel_stack "split" (a decoding layout, not a config choice)."""
+    2..k), once: head 1 verifies every window token (phase "first"), heads 2..k run their full
+    block at one slot (phase "rest", `Drafting.slot_B`). parallel_stack "split" (a decoding
+    layout, not a config choice)."""
     if args.n_future < 2 or args.parallel_stack == SPLIT:
       return params, args
     stacked = params["heads"]["blocks"]
@@ -69,13 +73,6 @@ class ParallelHeads(HeadKind):
       return super().decode_cache(args, batch, length, dtype)
     return [init_cache(args, n, batch, length, dtype) for n in (1, args.n_future - 1)]
 
-  @classmethod
-  def decode_reads(cls, known_fn, unembed_DxV, pick, u_DxB=None, slots_BxN=None):
-    """Heads 2..k are read at the decoder's slot alone: `known_fn(h1)`'s second part (the last
-    accepted window position; prefill: the prompt's last)."""
-    del unembed_DxV, pick, u_DxB, slots_BxN
-    return DecodeReads(slot=lambda h1_BxSxD: known_fn(h1_BxSxD)[1])
-
   @nn.compact
   def __call__(self, z_BxSxD, s: Shared, cache=None):
     a = self.args
@@ -83,6 +80,9 @@ class ParallelHeads(HeadKind):
                   metadata_params={nn.PARTITION_NAME: "mtp_heads"})
     if a.parallel_stack == SPLIT:
       return self.split(z_BxSxD, s, cache, lifted)
+    if s.phase is not None and a.n_future > 1:  # (with one head, "first" is the whole forward)
+      raise ValueError("parallel heads decode in two phases in their decoding layout "
+                       "(ParallelHeads.decode_layout, model.unrolled)")
     if a.parallel_stack == "vmap":
       blocks = nn.vmap(remat(Block, a.remat_policy), in_axes=(None, None, None, 0), out_axes=0,
                        axis_size=a.n_future, **lifted)
@@ -100,24 +100,31 @@ class ParallelHeads(HeadKind):
     return rms_norm(h_NxBxSxD, s.norm_D, a.norm_eps), new_cache
 
   def split(self, z_BxSxD, s: Shared, cache, lifted):
-    """The decoding layout (`decode_layout`): head 1's block over every token, then heads
-    2..k's side by side, at `s.reads.slot` alone when the decoder gives one (their keys and
-    values still written for every token), their states broadcast over the window."""
+    """The decoding layout (`decode_layout`): head 1's block over every token (phase "first"),
+    then heads 2..k's side by side (phase "rest"), at `s.drafting.slot_B` alone when the decoder
+    gives one (their keys and values still written for every token), their states broadcast
+    over the window. Phase None: both."""
     a = self.args
     pos, seg = s.positions_BxS, s.segment_ids_BxS
     c1, cs = (None, None) if cache is None else cache
-    h1_BxSxD, c1 = remat(Block, a.remat_policy)(a, name="first")(
-        z_BxSxD, pos, seg, None if c1 is None else jax.tree.map(lambda c: c[0], c1))
-    h1_BxSxD = rms_norm(h1_BxSxD, s.norm_D, a.norm_eps)
+    if s.phase != "rest":
+      h1_BxSxD, c1_new = remat(Block, a.remat_policy)(a, name="first")(
+          z_BxSxD, pos, seg, None if c1 is None else jax.tree.map(lambda c: c[0], c1))
+      h1_BxSxD = rms_norm(h1_BxSxD, s.norm_D, a.norm_eps)
+      c1 = None if cache is None else jax.tree.map(lambda c: c[None], c1_new)
+      if s.phase == "first":
+        return h1_BxSxD[None], None if cache is None else [c1, cs]
     at_B = None
-    if (cache is not None and s.reads is not None and s.reads.slot is not None
+    if (cache is not None and s.drafting is not None and self.read_at_slot
         and not (seg is not None and a.sliding_window)):  # (Attention's at_B: not both)
-      at_B = s.reads.slot(h1_BxSxD).astype(jnp.int32)
+      at_B = s.drafting.slot_B.astype(jnp.int32)
     blocks = nn.vmap(remat(Block, a.remat_policy), in_axes=(None, None, None, 0, None),
                      out_axes=0, axis_size=a.n_future - 1, **lifted)
     h_K1xBxSxD, cs = blocks(a, name="blocks")(z_BxSxD, pos, seg, cs, at_B)
     h_K1xBxSxD = rms_norm(h_K1xBxSxD, s.norm_D, a.norm_eps)
     if at_B is not None:
       h_K1xBxSxD = jnp.broadcast_to(h_K1xBxSxD, (a.n_future - 1,) + z_BxSxD.shape)
-    new_cache = None if cache is None else [jax.tree.map(lambda c: c[None], c1), cs]
+    new_cache = None if cache is None else [c1, cs]
+    if s.phase == "rest":
+      return h_K1xBxSxD, new_cache
     return jnp.concatenate([h1_BxSxD[None], h_K1xBxSxD]), new_cache

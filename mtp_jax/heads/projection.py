@@ -47,10 +47,12 @@ class ProjectionHeads(HeadKind):
   @nn.compact
   def __call__(self, z_BxSxD, s: Shared, cache=None):
     a = self.args
-    h_NxBxSxD = z_BxSxD[None]
-    if a.n_future > 1:
+    h_NxBxSxD = z_BxSxD[None]  # head 1 (phase "first": alone)
+    if a.n_future > 1 and s.phase != "first":
       mlps = nn.vmap(ResidualMLP, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=None, out_axes=0, axis_size=a.n_future - 1,
                      metadata_params={nn.PARTITION_NAME: "mtp_heads"})
-      h_NxBxSxD = jnp.concatenate([h_NxBxSxD, mlps(a, name="mlps")(z_BxSxD)], axis=0)
+      rest_K1xBxSxD = mlps(a, name="mlps")(z_BxSxD)
+      h_NxBxSxD = (rest_K1xBxSxD if s.phase == "rest" else
+                   jnp.concatenate([h_NxBxSxD, rest_K1xBxSxD], axis=0))
     return rms_norm(h_NxBxSxD, s.norm_D, a.norm_eps), cache

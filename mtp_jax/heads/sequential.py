@@ -1,5 +1,5 @@
 """Sequential heads (DeepSeek-V3 MTP, arXiv 2412.19437 §2.2): a causal chain of depths after the
-trunk, and what the depths read while decoding (`SequentialHeads.decode_reads`)."""
+trunk, and what the depths read while decoding (`known_tokens`, `draft_tokens`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.heads.base import DecodeReads, HeadKind, Shared, head_logits, register
+from mtp_jax.heads.base import Drafting, HeadKind, Shared, head_logits, register
 from mtp_jax.layers import Block, RMSNorm, dense_init, dot_general, remat, rms_norm, tokens_2d
 from mtp_jax.model_args import ModelArgs
 
@@ -20,10 +20,11 @@ class Depth(nn.Module):
   does which.
 
   Teacher forcing (training): the depth's token embeddings come in as the scanned input.
-  Decoding (`Shared.decoding`): the scanned input is (known_BxS, xs): depth k reads the known
-  token x_{t+k} where the decoder has it (`DecodeReads.known`: prompt, accepted tokens), else
-  the draft of depth k-1 at the same position, so one forward drafts n-1 chained tokens at the
-  last accepted position."""
+  Decoding (`Shared.decoding`): the scanned input is (known_BxS, u_B): depth k reads the known
+  token x_{t+k} where the decoder has it (`Drafting.after_BxS`: prompt, accepted tokens), else
+  the draft of depth k-1 at the same position (drawn with the row's uniform u_B by
+  `Drafting.pick`, argmax without one), so one forward drafts n-1 chained tokens at the last
+  accepted position."""
   args: ModelArgs
 
   @nn.compact
@@ -31,7 +32,7 @@ class Depth(nn.Module):
     a = self.args
     h_prev_BxSxD, tok_BxS = carry
     if s.decoding:
-      known_BxS, xs = emb_BxSxD
+      known_BxS, u_B = emb_BxSxD
       tok_BxS = jnp.where(known_BxS >= 0, known_BxS, tok_BxS)
       emb_BxSxD = jnp.take(s.embed_VxD, tok_BxS, axis=0).astype(a.dtype)
     e = RMSNorm(a.norm_eps, a.dtype, name="enorm")(emb_BxSxD)
@@ -47,10 +48,10 @@ class Depth(nn.Module):
     else:
       out_BxSxD = rms_norm(h_BxSxD, s.norm_D, a.norm_eps)
     if s.decoding:
-      if s.reads is None:
+      if s.drafting is None:
         tok_BxS = jnp.argmax(out_BxSxD.astype(jnp.float32) @ s.unembed_DxV, axis=-1)
       else:
-        tok_BxS = s.reads.draft(xs, out_BxSxD)
+        tok_BxS = draft_at(s.drafting, u_B, out_BxSxD, s.unembed_DxV)
       tok_BxS = tok_BxS.astype(jnp.int32)
     return (h_BxSxD, tok_BxS), (out_BxSxD, new_cache)
 
@@ -113,25 +114,22 @@ class SequentialHeads(HeadKind):
     d = m.d_model  # n_future - 1 depths (arXiv 2412.19437 eq. 21-23): eh_proj 2d -> d, a block
     return (m.n_future - 1) * (2 * (2 * d * d) + block), m.n_future - 1
 
-  @classmethod
-  def decode_reads(cls, known_fn, unembed_DxV, pick, u_DxB=None, slots_BxN=None):
-    return chain_reads(known_fn, unembed_DxV, pick, u_DxB, slots_BxN)
-
   @nn.compact
   def __call__(self, z_BxSxD, s: Shared, cache=None):
     a = self.args
     h1_BxSxD = rms_norm(z_BxSxD, s.norm_D, a.norm_eps)
-    if a.n_future == 1:
+    if a.n_future == 1 or s.phase == "first":
       return h1_BxSxD[None], cache
     h0_BxSxD = h1_BxSxD if a.seq_trunk_state == "post_norm" else z_BxSxD
     D = a.n_future - 1
     tok_BxS = jnp.zeros(z_BxSxD.shape[:2], jnp.int32)
-    if s.decoding and s.reads is None:  # depth 1 reads head 1's argmax, deeper depths drafts
+    if s.decoding and s.drafting is None:  # depth 1 reads head 1's argmax, deeper depths drafts
       first_BxS = jnp.argmax(h1_BxSxD.astype(jnp.float32) @ s.unembed_DxV, axis=-1)
       known_DxBxS = jnp.full((D,) + tok_BxS.shape, -1, jnp.int32).at[0].set(first_BxS)
       emb_DxBxSxD = (known_DxBxS, None)
     elif s.decoding:
-      emb_DxBxSxD = (s.reads.known(h1_BxSxD, D), s.reads.xs)
+      d = s.drafting
+      emb_DxBxSxD = (known_tokens(d.after_BxS, d.slot_B, D), d.u_DxB)
     else:
       emb_DxBxSxD = jnp.stack([shift_left(s.x_BxSxD, k) for k in range(1, D + 1)])
     depths = nn.scan(Depth, variable_axes={"params": 0}, split_rngs={"params": True},
@@ -139,7 +137,10 @@ class SequentialHeads(HeadKind):
                      metadata_params={nn.PARTITION_NAME: "mtp_heads"})
     _, (out_DxBxSxD, new_cache) = depths(a, name="depths")(
         (h0_BxSxD.astype(a.dtype), tok_BxS), emb_DxBxSxD, cache, s)
-    return jnp.concatenate([h1_BxSxD[None], out_DxBxSxD.astype(h1_BxSxD.dtype)]), new_cache
+    out_DxBxSxD = out_DxBxSxD.astype(h1_BxSxD.dtype)
+    if s.phase == "rest":
+      return out_DxBxSxD, new_cache
+    return jnp.concatenate([h1_BxSxD[None], out_DxBxSxD]), new_cache
 
 
 # What the depths read while decoding: the tokens that are known (prompt, accepted drafts, the new
@@ -167,24 +168,13 @@ def draft_tokens(out_BxSxD, unembed_DxV, pick=None, u_B=None) -> jax.Array:
   return pick(lg_BxSxV, jnp.broadcast_to(u_B[:, None], lg_BxSxV.shape[:2]))
 
 
-def chain_reads(known_fn, unembed_DxV, pick=None, u_DxB=None, slots_BxN=None) -> DecodeReads:
-  """What sequential depths read while decoding: known_fn(h1_BxSxD) -> (after_BxS, last_B) gives
-  the known tokens (teacher forcing wherever the next tokens are known: the prompt at prefill, the
-  accepted drafts and the new token in a cycle); beyond them depth d + 1 reads depth d's draft,
-  its argmax (pick None) or pick(logits, u) with the row's uniform u_DxB[d - 1] (the decoder's
-  own draw, with the uniform it draws the same draft with). slots_BxN: the only positions where
-  a draft is read (prefill: the prompt's last n_future - 1), so a long prompt is not unembedded
-  at every position."""
-  def known(h1_BxSxD, depths):
-    after_BxS, last_B = known_fn(h1_BxSxD)
-    return known_tokens(after_BxS, last_B, depths)
-
-  def draft(u_B, out_BxSxD):
-    if slots_BxN is None:
-      return draft_tokens(out_BxSxD, unembed_DxV, pick, u_B)
-    out_BxNxD = jnp.take_along_axis(out_BxSxD, slots_BxN[..., None], axis=1)
-    rows_Bx1 = jnp.arange(out_BxSxD.shape[0])[:, None]
-    return jnp.zeros(out_BxSxD.shape[:2], jnp.int32).at[rows_Bx1, slots_BxN].set(
-        draft_tokens(out_BxNxD, unembed_DxV, pick, u_B))
-
-  return DecodeReads(known=known, draft=draft, xs=u_DxB)
+def draft_at(d: Drafting, u_B, out_BxSxD, unembed_DxV) -> jax.Array:
+  """[B, S] drafts of one depth where the decoder reads them (`Drafting.slots_BxN`; None: every
+  position), drawn by `Drafting.pick` with the row's uniform u_B (argmax without pick), 0
+  elsewhere; so a long prompt is not unembedded at every position."""
+  if d.slots_BxN is None:
+    return draft_tokens(out_BxSxD, unembed_DxV, d.pick, u_B)
+  out_BxNxD = jnp.take_along_axis(out_BxSxD, d.slots_BxN[..., None], axis=1)
+  rows_Bx1 = jnp.arange(out_BxSxD.shape[0])[:, None]
+  return jnp.zeros(out_BxSxD.shape[:2], jnp.int32).at[rows_Bx1, d.slots_BxN].set(
+      draft_tokens(out_BxNxD, unembed_DxV, d.pick, u_B))

@@ -211,3 +211,20 @@ def test_token_equality_pins_then_compares_and_names_a_changed_case(tmp_path, ca
     json.dump(record, f)
   assert token_equality.main(["--against", out, "--smoke"]) == 1
   assert f"  {name}: " in capsys.readouterr().out
+
+
+@pytest.mark.heavy
+def test_cycle_ab_times_two_checkouts_in_one_run(tmp_path):
+  """cycle_ab at its smoke size, this checkout against itself (two worker processes): each
+  cell has both sides' cycle, the ratio with its band, and equal tokens; a folder without
+  mtp_jax is refused."""
+  from experiments import cycle_ab
+  out = str(tmp_path / "ab.json")
+  cycle_ab.main(["--smoke", "--json", out])
+  r = _json(out)
+  assert r["ref_tree"] == r["new_tree"] == REPO and r["rounds"] == 2
+  (cell,) = r["cells"].values()
+  assert cell["same_tokens"] is True
+  assert min(cell["ms_per_cycle"].values()) > 0 and len(cell["cycle_new_over_ref_quartiles"]) == 2
+  with pytest.raises(SystemExit):
+    cycle_ab.main(["--ref_tree", str(tmp_path)])

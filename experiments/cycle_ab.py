@@ -3,15 +3,15 @@ judged against the code it replaces (the two-phase forward was, docs/decoding.md
 
     python experiments/cycle_ab.py --ref_tree DIR [--workdir W] [--kinds K1,K2] \\
         [--modes greedy,sampled] [--batches 1,8] [--k 4] [--prompt_len 64] [--rounds 7] \\
-        [--json out.json]
+        [--cycles 4,36] [--json out.json]
 
 Each checkout is a worker process running this file with its own `mtp_jax` first on PYTHONPATH
 (the worker imports mtp_jax and configs/ alone, so any checkout that has them serves). Per cell
 (head kind x mode x batch) it compiles the chain:k loop (`decode.Decoder`) on the same params
 (the workdir's, or configs/default.py's initialised from key 0 for each kind of --kinds), warms
-it up, and per request times the cycle: a call with max_cycles 4 and one with 36 on random
-prompts of --prompt_len ids, EOS ignored, (t36 - t4) / 32, so prefill and call overhead cancel
-(experiments/parallel_cycle.py's measure). Sampled cells draw at temperature 1, top-p 0.95.
+it up, and per request times the cycle: a call with max_cycles 4 and one with 36 (--cycles) on
+random prompts of --prompt_len ids, EOS ignored, (t36 - t4) / 32, so prefill and call overhead
+cancel (experiments/parallel_cycle.py's measure). Sampled cells draw at temperature 1, top-p 0.95.
 Rounds alternate the two workers (one waits while the other runs; rotated order). Per cell the
 record gives each side's median ms per cycle, this code's cycle over the reference's (median of
 same-round ratios, and quartiles: the noise band) and whether both decoded the same tokens.
@@ -30,7 +30,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CYCLES = (4, 36)
 SAMPLING = {"temperature": 1.0, "top_p": 0.95, "seed": 1}
 
 
@@ -56,7 +55,7 @@ def worker_cells(a):
         c.model.update(d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=64, max_len=256)
       model = build_model(validation.resolve(c))
       models.append((kind, init_params(model, jax.random.PRNGKey(0)), model.args, 0))
-  cells = []
+  cells, cycles = [], [int(x) for x in a.cycles.split(",")]
   for kind, params, args, pad in models:
     for batch in map(int, a.batches.split(",")):
       rng = np.random.default_rng(batch)
@@ -65,17 +64,17 @@ def worker_cells(a):
       for mode in a.modes.split(","):
         sampled = mode == "sampled"
         dec = decode_lib.Decoder(params, args, k=a.k, batch=batch, prompt_len=a.prompt_len,
-                                 max_new_tokens=4 * CYCLES[1] + 8, sampling=sampled)
+                                 max_new_tokens=a.k * cycles[1] + 8, sampling=sampled)
         kw = dict(eos_id=-1, pad_id=pad, **(SAMPLING if sampled else {}))
 
         def run(dec=dec, prompts=prompts, kw=kw):
           t, toks = [], None
-          for n in CYCLES:
+          for n in cycles:
             t0 = time.perf_counter()
             toks = dec(prompts, max_cycles=n, **kw).tokens
             t.append(time.perf_counter() - t0)
           sha = hashlib.sha256(np.asarray(toks, np.int32).tobytes()).hexdigest()[:16]
-          return (t[1] - t[0]) / (CYCLES[1] - CYCLES[0]), sha
+          return (t[1] - t[0]) / (cycles[1] - cycles[0]), sha
         run()  # warm-up: compile, caches, allocator
         cells.append((f"{kind}/{mode}/b{batch}", run))
   return cells
@@ -135,6 +134,7 @@ def main(argv=None):
   ap.add_argument("--k", type=int, default=4)
   ap.add_argument("--prompt_len", type=int, default=64)
   ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument("--cycles", default="4,36", help="max_cycles of the two timed calls")
   ap.add_argument("--json", default=None)
   ap.add_argument("--smoke", action="store_true")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -151,9 +151,13 @@ def main(argv=None):
   if a.workdir and not os.path.isdir(a.workdir):
     ap.error(f"--workdir: no such directory: {a.workdir}")
   from experiments import common
+  cycles = a.cycles.split(",")
+  if len(cycles) != 2 or not all(c.isdigit() for c in cycles) or int(cycles[0]) >= int(cycles[1]):
+    ap.error(f"--cycles: two counts, the first smaller (e.g. 4,36), got {a.cycles!r}")
   wargv = ["--kinds", a.kinds, "--modes", a.modes, "--batches", a.batches, "--k", str(a.k),
-           "--prompt_len", str(a.prompt_len)] + (["--smoke"] if a.smoke else []) + (
-               ["--workdir", os.path.abspath(a.workdir)] if a.workdir else [])
+           "--prompt_len", str(a.prompt_len), "--cycles", a.cycles]
+  wargv += (["--smoke"] if a.smoke else []) + (
+      ["--workdir", os.path.abspath(a.workdir)] if a.workdir else [])
   sides = {"ref": Worker(a.ref_tree, wargv), "new": Worker(ROOT, wargv)}
   rounds = {n: [] for n in sides}
   t0 = time.time()
@@ -175,7 +179,7 @@ def main(argv=None):
         == rounds["ref"][-1][name]["tokens_sha256"]}
   rec = {"ref_tree": sides["ref"].code, "new_tree": sides["new"].code,
          "workdir": a.workdir or None, "k": a.k, "prompt_len": a.prompt_len,
-         "rounds": a.rounds, "sampling": SAMPLING, "cells": cells}
+         "rounds": a.rounds, "cycles": a.cycles, "sampling": SAMPLING, "cells": cells}
   common.emit(rec, a.json)
 
 

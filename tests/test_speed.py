@@ -79,3 +79,41 @@ def test_demo_report_shows_alpha_k_teacher_forced_and_measured():
           "0.600  0.500; tokens per cycle they estimate 1.90") in text  # read under its old name
   assert "sampled, heads 2-3 (P(draft k accepted | drafts < k)): 0.700  0.400" in text
   assert "tokens per forward a = 2.50 (alpha_k measured 0.50)" in text
+
+
+def test_paired_ci_narrows_with_calls_and_holds_the_median():
+  import numpy as np
+  rng = np.random.default_rng(1)
+  base = list(1.0 + 0.2 * rng.random(40))
+  other = [b / 1.5 * (1 + 0.1 * (rng.random() - 0.5)) for b in base]  # 1.5x faster, noisy
+  few, many = speed.paired_ci(base[:5], other[:5]), speed.paired_ci(base, other)
+  assert few[0] <= many[0] <= 1.5 <= many[1] <= few[1]
+  assert many[1] - many[0] < few[1] - few[0] and many[1] - many[0] < 0.05
+  c = speed.compare(base, other)
+  assert c["ci"] == many and c["ci"][0] <= c["speedup"] <= c["ci"][1]
+
+
+def test_calibration_judges_auto_against_the_best_variant_of_its_cell():
+  """bench_decode's calibration: auto that kept plain decoding where chain:4 won does not hold
+  (it is no longer held by definition); where every variant lost, plain is the best and auto
+  at 0.97 of it holds; a bet whose prediction was 20% off is out of the cost model's 15%."""
+  from experiments import bench_decode
+
+  def rec(variant, S, batch, heads, off_by_auto=None):
+    r = dict(record(S, [S - 0.05, S + 0.05], variant, heads), batch=batch,
+             S_ci=[S - 0.02, S + 0.02], S_ci_within_10pct=True)
+    if variant == "auto":
+      r.update(S_predicted_auto=1.0, off_by_auto=off_by_auto or 0.0)
+    return r
+  cal = bench_decode.calibration([
+      rec("chain:4", 1.4, 1, 4), rec("auto", 1.0, 1, 1),      # kept plain, chain:4 won
+      rec("chain:4", 0.6, 8, 4), rec("auto", 0.97, 8, 1),     # every variant lost
+      rec("chain:2", 1.2, 32, 2), rec("auto", 1.19, 32, 2, off_by_auto=0.2)])["greedy"]
+  by_batch = {a["batch"]: a for a in cal["auto"]}
+  assert (by_batch[1]["best_variant"], by_batch[1]["holds"]) == ("chain:4", False)
+  assert by_batch[1]["auto_over_best"] == pytest.approx(1.0 / 1.4)
+  assert (by_batch[8]["best_variant"], by_batch[8]["S_best"], by_batch[8]["holds"]) == (
+      "plain", 1.0, True)
+  assert by_batch[8]["cost_model_within_15pct"] is None  # no bet, nothing predicted to judge
+  assert by_batch[32]["holds"] and by_batch[32]["cost_model_within_15pct"] is False
+  assert cal["auto_holds"] is False

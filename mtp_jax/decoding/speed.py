@@ -3,7 +3,9 @@ times (at least 3), the calls of the modes interleaved so a change of load hits 
 speed-up is the ratio of medians, and its noise band the lowest and highest ratio of any two
 timed calls (min plain / max other, max plain / min other). A ratio whose band holds 1 is
 "about the same"; "faster" or "slower" only when every timed call of one mode beat every call
-of the other.
+of the other. The band widens as calls are added; `ci`, a 95% bootstrap interval of the median
+of the calls' paired ratios (call i of one mode against call i of the other, timed side by
+side), narrows: what judging one variant against another within +-10% needs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+
+import numpy as np
 
 REPS = 3
 
@@ -39,8 +43,20 @@ def compare(base: list[float], other: list[float]) -> dict:
   lo = min(base) / max(max(other), 1e-12)
   hi = max(base) / max(min(other), 1e-12)
   verdict = "faster" if lo > 1 else "slower" if hi < 1 else "about the same"
-  return {"speedup": ratio, "band": [lo, hi], "verdict": verdict, "reps": len(other),
-          "base_seconds": list(base), "seconds": list(other)}
+  return {"speedup": ratio, "band": [lo, hi], "ci": paired_ci(base, other), "verdict": verdict,
+          "reps": len(other), "base_seconds": list(base), "seconds": list(other)}
+
+
+def paired_ci(base: list[float], other: list[float], level: float = 0.95,
+              draws: int = 2000) -> list[float]:
+  """[lo, hi]: the `level` bootstrap interval of the median of base[i] / other[i] (calls timed
+  side by side, so a change of load hits both), resampling the pairs; fixed seed."""
+  r = np.asarray(base[:len(other)], float) / np.maximum(np.asarray(other[:len(base)], float),
+                                                        1e-12)
+  idx = np.random.default_rng(0).integers(0, len(r), (draws, len(r)))
+  med = np.median(r[idx], axis=1)
+  q = (1 - level) / 2
+  return [float(np.quantile(med, q)), float(np.quantile(med, 1 - q))]
 
 
 def line(c: dict, what: str = "plain decoding") -> str:

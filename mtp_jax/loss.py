@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from mtp_jax import config as config_lib
+from mtp_jax import loss_fields
 from mtp_jax import backends, layers, sharding
 from mtp_jax.model import mask_pad_logits, unembedding
 
@@ -49,7 +49,7 @@ _SAVE_NOTHING = jax.checkpoint_policies.nothing_saveable
 def head_weights(config: ml_collections.ConfigDict) -> np.ndarray:
   """lambda_i for i = 1..n_future from `config.loss`."""
   n, lo = config.model.n_future, config.loss
-  scheme = config_lib.parse_head_weights(lo.head_weights)
+  scheme = loss_fields.parse_head_weights(lo.head_weights)
   if not isinstance(scheme, str):
     return np.asarray(scheme, np.float32)
   if lo.head_weights == "uniform":
@@ -80,7 +80,7 @@ def curriculum_starts(config: ml_collections.ConfigDict) -> np.ndarray:
 
 def mtp_lambda_at(config: ml_collections.ConfigDict, step):
   """loss.mtp_lambda at train step `step` (an int or traced) under loss.mtp_lambda_schedule."""
-  kind, args = config_lib.parse_lambda_schedule(config.loss.mtp_lambda_schedule)
+  kind, args = loss_fields.parse_lambda_schedule(config.loss.mtp_lambda_schedule)
   steps, step = config.train.steps, jnp.asarray(step, jnp.int32)
   if kind == "constant":
     return jnp.float32(config.loss.mtp_lambda)

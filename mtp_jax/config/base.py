@@ -1,7 +1,8 @@
 """The base config (every field, defaulting to plain next-token prediction), the allowed values
 and ranges declared beside the fields, and reading and writing a config. Imports no JAX and
-nothing from mtp_jax but the JAX-free `model_args`, whose `ModelArgs` declares the
-`config.model` fields (their allowed values and ranges on the fields themselves).
+nothing from mtp_jax but JAX-free declarations below it: `model_args` (`ModelArgs` declares the
+`config.model` fields, their allowed values and ranges on the fields themselves),
+`data.fields` (the data section) and `loss_fields` (the loss's string fields, parsed).
 
 Files in `configs/` import `base_config()` and change what they need; an entry point calls
 `mtp_jax.config.validation.resolve()` once, after command-line overrides, so a bad value is one
@@ -11,19 +12,18 @@ below it (build_model, the steps, decoding) takes the resolved config and checks
 
 from __future__ import annotations
 
-import math
 import os
 
 import ml_collections
 
+from mtp_jax.data import fields as data_fields
+from mtp_jax.data.fields import TOKENIZERS
 from mtp_jax.model_args import ModelArgs
 
 # Allowed values and float ranges beside their fields: ALLOWED and FLOAT_RANGES below collect
 # them (and config.model's, from ModelArgs) for config.validation; tests/test_config.py fails for
 # a float field without a range. Kinds in a registry (model.heads.kind, data.corpus) are checked
 # against the registry.
-HEAD_WEIGHTS = ("uniform", "geometric", "deepseek")  # loss.head_weights, or one weight per head
-TOKENIZERS = ("byte", "sentencepiece", "hf")  # data.tokenizer
 SCHEDULES = ("cosine", "linear", "constant")  # optim.schedule
 # loss.draft_objective: what heads 2..n are trained on (loss.py): the hard next tokens, or head
 # 1's own distribution at the same target position (KL to it, or total variation).
@@ -97,42 +97,7 @@ def base_config() -> ml_collections.ConfigDict:
   # same target position, stop-gradient), "tv" (total variation to it).
   c.loss.draft_objective = "ce"
 
-  c.data = ml_collections.ConfigDict()
-  c.data.corpus = "python_code"
-  c.data.dir = os.path.join(os.path.expanduser("~"), ".cache", "mtp_jax", "datasets")
-  c.data.folder = ""  # text_folder corpus: root folder
-  c.data.glob = "**/*.py"  # text_folder corpus: files to take
-  c.data.val_percent = 5  # validation split: files whose path hash falls below this percent
-  c.data.tokenizer = "byte"
-  c.data.spm_path = ""  # sentencepiece model file when tokenizer == "sentencepiece"
-  c.data.hf_tokenizer = ""  # tokenizer.json (or its folder) when tokenizer == "hf"
-  c.data.seq_len = 256
-  c.data.shuffle_seed = 0
-  c.data.worker_count = 0
-  # True: a document that does not fit in the rest of a row starts the next one (padding).
-  c.data.whole_docs = False
-  # Synthetic tasks (Gloeckle et al. 2024 §4; data/tasks.py), generated from task_seed.
-  c.data.task_seed = 0
-  c.data.task_train_size = 50_000  # train examples
-  c.data.task_eval_size = 1_000  # examples of each other split
-  c.data.induction_len = 63  # letters per example (+ eos: 64 tokens)
-  c.data.induction_pairs = 4  # distinct names per example
-  c.data.induction_repeats = 3  # occurrences of each name
-  c.data.poly_modulus = 7  # the ring F_p[X]/(X^d): p ...
-  c.data.poly_degree = 5  # ... and d (a polynomial is d coefficients)
-  c.data.poly_ops = "+-*"  # operations drawn, from POLY_OPS; the paper adds "o"
-  c.data.poly_train_ops = 5  # train and validation: 1..poly_train_ops operations
-  c.data.poly_ood_ops = 8  # test_ood: poly_train_ops+1..poly_ood_ops
-  # Real corpora (data/corpora.py; README "Real corpora"). tfds: a dataset prepared as
-  # array_record (`tfds build NAME --file_format=array_record`), read without TensorFlow.
-  c.data.tfds_name = ""  # "name/config:version", e.g. "c4/en:3.0.1"
-  c.data.tfds_data_dir = ""  # "" = TFDS_DATA_DIR or ~/tensorflow_datasets
-  c.data.text_key = "text"  # the text feature; nested: "document/body" or "document.body"
-  c.data.train_split = "train"  # tfds split strings: "train[:99%]"
-  c.data.val_split = "validation"  # e.g. "train[99%:]" for a dataset without one
-  # array_record: token shards written by `python -m mtp_jax.data.prepare`.
-  c.data.files = ""  # glob of the shards, e.g. "~/corpora/code/tokens-*.array_record"
-  c.data.val_files = ""  # "" = hold out every round(100 / val_percent)-th record
+  c.data = data_fields.data_defaults()  # declared by the data package (data/fields.py)
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 3e-3
@@ -245,44 +210,3 @@ def load_json(path: str) -> ml_collections.ConfigDict:
     if value and not os.path.isabs(value) and os.path.exists(os.path.join(folder, value)):
       c.data[field] = os.path.join(folder, value)
   return c
-
-
-def parse_lambda_schedule(value: str):
-  """loss.mtp_lambda_schedule as (kind, args): ("constant", ()), ("steps", ((value, fraction),
-  ...)), ("linear" | "cosine", (start, end)). ValueError (without the field's name) when it
-  spells none of them."""
-  text = str(value).replace(" ", "")
-  if text == "constant":
-    return "constant", ()
-  kind = text.split(":", 1)[0] if text.startswith(("linear:", "cosine:")) else "steps"
-  try:
-    if kind == "steps":
-      args = tuple((float(v), float(f)) for v, f in (p.split("@") for p in text.split(",")))
-      values, fractions = [v for v, _ in args], [f for _, f in args]
-    else:
-      args = tuple(float(x) for x in text.split(":", 1)[1].split(","))
-      values, fractions = args, [0.0]
-      if len(args) != 2:
-        raise ValueError
-  except ValueError:
-    raise ValueError(f"got {value!r}: 'constant', steps 'VALUE@FRACTION,...' from 0 (e.g. "
-                     "'0.3@0,0.1@0.8'), 'linear:START,END' or 'cosine:START,END'") from None
-  if not all(math.isfinite(v) and v >= 0 for v in values):
-    raise ValueError(f"values must be finite numbers >= 0, got {value!r}")
-  if fractions[0] != 0 or fractions[-1] >= 1 or any(
-      b <= a for a, b in zip(fractions, fractions[1:])):
-    raise ValueError(f"the fractions of train.steps must start at 0, rise, and stay below 1, "
-                     f"got {value!r}")
-  return kind, args
-
-
-def parse_head_weights(value):
-  """A weight scheme's name, or the list of weights that `value` spells ("1,0.5" or [1, 0.5])."""
-  if isinstance(value, (list, tuple)):
-    return [float(w) for w in value]
-  if value in HEAD_WEIGHTS:
-    return value
-  try:
-    return [float(w) for w in str(value).strip("()[] ").split(",") if w.strip()]
-  except ValueError:
-    return value

@@ -17,8 +17,8 @@ import math
 import ml_collections
 
 from mtp_jax import heads
-from mtp_jax.config.base import (ALLOWED, FLOAT_RANGES, HEAD_WEIGHTS, base_config,
-                                 parse_head_weights, parse_lambda_schedule)
+from mtp_jax.config.base import ALLOWED, FLOAT_RANGES, base_config
+from mtp_jax.loss_fields import HEAD_WEIGHTS, parse_head_weights, parse_lambda_schedule
 from mtp_jax.data import corpus
 
 

@@ -24,7 +24,6 @@ from collections.abc import Iterator
 import numpy as np
 import sentencepiece as spm
 
-from mtp_jax import config as config_lib
 from mtp_jax.data import corpus
 from mtp_jax.data.hf_tokenizer import CANNOT_ENCODE, HFTokenizer
 from mtp_jax.data.hf_tokenizer import resolve as hf_resolve
@@ -228,7 +227,8 @@ def main(argv=None) -> None:
   line; `python -m` prints it as `error: ...` and exits 2)."""
   from absl import flags
   from mtp_jax import cli
-  data = config_lib.base_config().data
+  from mtp_jax.data import fields
+  data = fields.data_defaults()
 
   def define(fv):
     # Not tfds / array_record: a tfds dataset needs data.tfds_name (train the tokenizer on a

@@ -130,7 +130,8 @@ def forward_program(params, args, tree: Tree, batch, context):
     out_BxW = jnp.argmax(h1_BxWxD @ w_DxV, -1)  # head 1 verifies every window token
     if k > 1:  # the drafting heads, at one slot (greedy cycles unembed them there only)
       h_K1xBxWxD, c = fwd.rest(toks_BxW, pos, c, z_BxWxD,
-                               heads.Drafting(slot_B=slot_B, after_BxS=toks_BxW), seg)
+                               heads.Drafting(slot_B=slot_B, after_BxS=toks_BxW,
+                                              unembed_DxV=w_DxV), seg)
       out_BxW = out_BxW + jnp.argmax(h_K1xBxWxD[:, :, :1] @ w_DxV, -1).sum(0)
     return out_BxW.astype(jnp.int32) % a.vocab_size, c
 

@@ -200,7 +200,8 @@ def prefill(c: Chain, cache, prompt_BxP, prompt_len_B, first_token, pick, u_DxB)
   after_BxP = jnp.where(jnp.arange(P) == last_P_B[:, None], first_B[:, None], after_BxP)
   slots_BxN = jnp.maximum(last_P_B[:, None] - jnp.arange(max(c.k - 1, 1))[::-1], 0)
   h_K1xBxPxD, cache = c.fwd.rest(prompt_BxP, pos_BxP, cache, z_BxPxD, heads.Drafting(
-      slot_B=last_P_B, after_BxS=after_BxP, pick=pick, u_DxB=u_DxB, slots_BxN=slots_BxN))
+      slot_B=last_P_B, after_BxS=after_BxP, pick=pick, u_DxB=u_DxB, slots_BxN=slots_BxN,
+      unembed_DxV=c.W_DxV))
   return h1_BxPxD, h_K1xBxPxD, first_B, cache, slots_BxN
 
 
@@ -224,7 +225,8 @@ def greedy_cycle(c: Chain, s: DecodeState) -> DecodeState:
   g_BxK = jnp.argmax(head_logits(h1_BxKxD, c.W_DxV), axis=-1).astype(jnp.int32)
   acc = accept_greedy(s.drafts_BxK1, g_BxK, s.last_B, c.eos_id, budget(s, c.max_new_tokens))
   h_K1xBxKxD, cache = c.fwd.rest(window_BxK, pos_BxK, cache, z_BxKxD,
-                                 heads.Drafting(slot_B=acc.drafts_B, after_BxS=g_BxK))
+                                 heads.Drafting(slot_B=acc.drafts_B, after_BxS=g_BxK,
+                                                unembed_DxV=c.W_DxV))
   drafts_BxK1 = argmax_drafts(c, h_K1xBxKxD, acc.drafts_B)
   return commit(s, acc, g_BxK, cache, drafts_BxK1, acc.drafts_B,
                 max_new_tokens=c.max_new_tokens, stop_m=c.stop_m)
@@ -262,7 +264,8 @@ def sampled_cycle(c: Chain, sp, keys_B, s: DecodeState) -> DecodeState:
   m_B, next_B = sampling_lib.accept_sampled(s.drafts_BxK1, p_BxKxV, s.q_BxK1xV, u_BxU[:, :k])
   out_BxK = sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B)
   h_K1xBxKxD, cache = c.fwd.rest(window_BxK, pos_BxK, cache, z_BxKxD, heads.Drafting(
-      slot_B=m_B, after_BxS=out_BxK, pick=sampling_lib.picker(sp), u_DxB=u_BxU[:, k:].T))
+      slot_B=m_B, after_BxS=out_BxK, pick=sampling_lib.picker(sp), u_DxB=u_BxU[:, k:].T,
+      unembed_DxV=c.W_DxV))
   acc = gain(out_BxK, m_B, s.last_B, c.eos_id, budget(s, c.max_new_tokens))
   q_BxK1xV = draft_dists(h_K1xBxKxD, c.W_DxV, acc.drafts_B, sp)
   drafts_BxK1 = sampling_lib.draw(q_BxK1xV, u_BxU[:, k:])

@@ -87,12 +87,16 @@ class Drafting:
   depth d reads x_{s+d} there (`known_tokens`), its own drafts beyond.
   pick: None (sequential depths draft by argmax) or pick(logits_xV, u_x) -> tokens, the
   decoder's draw with the row's uniform u_DxB[d - 1] for depth d. slots_BxN: the only window
-  positions where a depth drafts (prefill: the prompt's last n_future - 1), or None."""
+  positions where a depth drafts (prefill: the prompt's last n_future - 1), or None.
+  unembed_DxV: the unembedding drafts are drawn with, the loop's own, taken once before the
+  loop (inside it XLA:CPU would transpose a tied embedding again every cycle: 113 MB for a
+  49,152-token vocabulary); None: the model's."""
   slot_B: jax.Array
   after_BxS: Any = None
   pick: Callable | None = None
   u_DxB: Any = None
   slots_BxN: Any = None
+  unembed_DxV: Any = None
 
 
 PHASES = (None, "first", "rest")

@@ -51,7 +51,8 @@ class Depth(nn.Module):
       if s.drafting is None:
         tok_BxS = jnp.argmax(out_BxSxD.astype(jnp.float32) @ s.unembed_DxV, axis=-1)
       else:
-        tok_BxS = draft_at(s.drafting, u_B, out_BxSxD, s.unembed_DxV)
+        w_DxV = s.unembed_DxV if s.drafting.unembed_DxV is None else s.drafting.unembed_DxV
+        tok_BxS = draft_at(s.drafting, u_B, out_BxSxD, w_DxV)
       tok_BxS = tok_BxS.astype(jnp.int32)
     return (h_BxSxD, tok_BxS), (out_BxSxD, new_cache)
 

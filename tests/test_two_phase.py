@@ -105,3 +105,31 @@ def test_bad_phase_is_one_clear_error(make_config, make_model):
   with pytest.raises(ValueError, match=r"^trunk_states_BxSxD with a decoding cache: phase "):
     model.apply({"params": params}, toks, positions_BxS=pos, phase="rest",
                 cache=init_decode_cache(args, B, 16), decoding=True)
+
+
+@pytest.mark.parametrize("pick", ["argmax", "sampled"])
+def test_sequential_depths_drafting_at_read_slots_alone_change_nothing_kept(make_config,
+                                                                             make_model, pick):
+  """A cycle has the depths draft only at `decode_loop.read_slots` (the k - 2 positions up to
+  the slot), not at every window position: every state and cache entry at positions up to the
+  slot, all that the loop keeps, is the same as with drafts everywhere."""
+  from mtp_jax.decoding import decode_loop, sampling
+  model, params, args, toks, pos = _setup(make_config, make_model, "sequential", 4)
+  fwd = Forward(model, params)
+  h1_BxSxD, z_BxSxD, c = fwd.first(toks, pos, init_decode_cache(args, B, 16))
+  slot_B = jnp.asarray(SLOT)
+  after_BxS = jnp.where(jnp.arange(S) <= slot_B[:, None], jnp.roll(toks, -1, axis=1), 0)
+  kw = dict(slot_B=slot_B, after_BxS=after_BxS)
+  if pick == "sampled":
+    kw.update(pick=sampling.picker(sampling.Settings(jnp.float32(1.0), jnp.int32(0),
+                                                      jnp.float32(0.9))),
+              u_DxB=jnp.asarray(np.random.default_rng(2).random((3, B)), jnp.float32))
+  every, c_every = fwd.rest(toks, pos, c, z_BxSxD, heads.Drafting(**kw))
+  some, c_some = fwd.rest(toks, pos, c, z_BxSxD, heads.Drafting(
+      slots_BxN=decode_loop.read_slots(slot_B, args.n_future), **kw))
+  for b, slot in enumerate(SLOT):
+    np.testing.assert_array_equal(np.asarray(every[:, b, :slot + 1]),
+                                  np.asarray(some[:, b, :slot + 1]))
+    for x, y in zip(jax.tree.leaves(c_every["heads"]), jax.tree.leaves(c_some["heads"])):
+      np.testing.assert_array_equal(np.asarray(x[:, b, :, :slot + 1]),
+                                    np.asarray(y[:, b, :, :slot + 1]))

@@ -159,6 +159,15 @@ def draft_dists(h_K1xBxSxD, W_DxV, slot_B, sp):
                     for h_BxSxD in h_K1xBxSxD], axis=1)
 
 
+def read_slots(slot_B, k: int) -> jax.Array:
+  """[B, max(k - 2, 1)]: the window positions slot - k + 3 .. slot (clipped at 0), where a cycle
+  has sequential depths draft. Depth d + 1 reads depth d's draft at a position s only where
+  x_{s+d+1} is not known (s + d > slot), positions past the slot are rolled back, and depth
+  k - 1's draft is read by no depth: so depth d needs its draft at most d positions back, and
+  no depth more than k - 2. (The next drafts the loop draws itself, at the slot.)"""
+  return jnp.maximum(slot_B[:, None] - jnp.arange(max(k - 2, 1))[::-1], 0)
+
+
 def argmax_drafts(c: Chain, h_K1xBxSxD, slot_B) -> jax.Array:
   """[B, k-1]: heads 2..k's argmax at each row's slot (unembedded there only)."""
   h_K1xBxD = h_K1xBxSxD[:, jnp.arange(slot_B.shape[0]), slot_B]
@@ -226,6 +235,7 @@ def greedy_cycle(c: Chain, s: DecodeState) -> DecodeState:
   acc = accept_greedy(s.drafts_BxK1, g_BxK, s.last_B, c.eos_id, budget(s, c.max_new_tokens))
   h_K1xBxKxD, cache = c.fwd.rest(window_BxK, pos_BxK, cache, z_BxKxD,
                                  heads.Drafting(slot_B=acc.drafts_B, after_BxS=g_BxK,
+                                                slots_BxN=read_slots(acc.drafts_B, k),
                                                 unembed_DxV=c.W_DxV))
   drafts_BxK1 = argmax_drafts(c, h_K1xBxKxD, acc.drafts_B)
   return commit(s, acc, g_BxK, cache, drafts_BxK1, acc.drafts_B,
@@ -265,7 +275,7 @@ def sampled_cycle(c: Chain, sp, keys_B, s: DecodeState) -> DecodeState:
   out_BxK = sampling_lib.cycle_tokens(s.drafts_BxK1, m_B, next_B)
   h_K1xBxKxD, cache = c.fwd.rest(window_BxK, pos_BxK, cache, z_BxKxD, heads.Drafting(
       slot_B=m_B, after_BxS=out_BxK, pick=sampling_lib.picker(sp), u_DxB=u_BxU[:, k:].T,
-      unembed_DxV=c.W_DxV))
+      slots_BxN=read_slots(m_B, k), unembed_DxV=c.W_DxV))
   acc = gain(out_BxK, m_B, s.last_B, c.eos_id, budget(s, c.max_new_tokens))
   q_BxK1xV = draft_dists(h_K1xBxKxD, c.W_DxV, acc.drafts_B, sp)
   drafts_BxK1 = sampling_lib.draw(q_BxK1xV, u_BxU[:, k:])

@@ -1,5 +1,8 @@
 """Speed-ups that mean what they say: each mode is timed after its own warm-up call, `reps`
-times (at least 3), the calls of the modes interleaved so a change of load hits them alike; the
+times (at least 3), the calls of the modes interleaved so a change of load hits them alike, and
+each round started one mode later, so that no mode always runs after the same other one (a
+call after a heavy one can pay for it: two copies of one program measured 0.75 apart when one
+always followed a tree decoder); the
 speed-up is the ratio of medians, and its noise band the lowest and highest ratio of any two
 timed calls (min plain / max other, max plain / min other). A ratio whose band holds 1 is
 "about the same"; "faster" or "slower" only when every timed call of one mode beat every call
@@ -26,8 +29,10 @@ def time_modes(runs: dict[str, Callable[[], object]], reps: int = REPS) -> dict[
   if reps < REPS:
     raise ValueError(f"--reps: at least {REPS} timed calls per mode, got {reps}")
   out = {name: {"result": fn(), "seconds": []} for name, fn in runs.items()}  # warm-ups
-  for _ in range(reps):
-    for name, fn in runs.items():
+  names = list(runs)
+  for i in range(reps):  # each round starts one mode later: none always follows the same one
+    for name in names[i % len(names):] + names[:i % len(names)]:
+      fn = runs[name]
       t0 = time.perf_counter()
       r = fn()
       wall = time.perf_counter() - t0

@@ -1,8 +1,8 @@
 """Speed-ups that mean what they say: each mode is timed after its own warm-up call, `reps`
 times (at least 3), the calls of the modes interleaved so a change of load hits them alike, and
-each round started one mode later, so that no mode always runs after the same other one (a
-call after a heavy one can pay for it: two copies of one program measured 0.75 apart when one
-always followed a tree decoder); the
+each round started one mode later, so that no mode always runs after the same other one (two
+compilations of one program once measured 0.75 apart, one of them always timed right after a
+tree decoder; which of the two caused it was not settled); the
 speed-up is the ratio of medians, and its noise band the lowest and highest ratio of any two
 timed calls (min plain / max other, max plain / min other). A ratio whose band holds 1 is
 "about the same"; "faster" or "slower" only when every timed call of one mode beat every call

@@ -30,7 +30,6 @@ if __name__ == "__main__":  # before JAX starts: the CPU defaults (docs/cpu_spee
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -135,32 +134,15 @@ def worker(args):
 REF = "plain@ref"  # the side of --ref_tree
 
 
-class Worker:
-  def __init__(self, args, side):
-    cwd = None
-    if side == REF:  # plain decoding by the other checkout's code
-      side, cwd = "plain", args.ref_tree
-    cmd, env = common.module_command("bench_decode_hf", tree=cwd)
-    cmd += ["--worker", side, "--workdir", os.path.abspath(args.workdir), "--prompt_len",
-            str(args.prompt_len), "--max_new", str(args.max_new), "--seed", str(args.seed)]
-    self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=env, cwd=cwd)
-    line = self.p.stdout.readline()
-    if not line:
-      raise RuntimeError(f"the {side} worker failed to start (its error is above)")
-
-  def call(self, prompts):
-    self.p.stdin.write(f"run {json.dumps(prompts)}\n")
-    self.p.stdin.flush()
-    line = self.p.stdout.readline()
-    if not line:
-      raise RuntimeError("a worker died (its error is above)")
-    return json.loads(line)
-
-  def close(self):
-    self.p.stdin.write("quit\n")
-    self.p.stdin.close()
-    self.p.wait()
+def start_worker(args, side) -> common.Worker:
+  """`side`'s worker process (REF: plain decoding by the other checkout's code)."""
+  cwd = None
+  if side == REF:
+    side, cwd = "plain", args.ref_tree
+  cmd, env = common.module_command("bench_decode_hf", tree=cwd)
+  cmd += ["--worker", side, "--workdir", os.path.abspath(args.workdir), "--prompt_len",
+          str(args.prompt_len), "--max_new", str(args.max_new), "--seed", str(args.seed)]
+  return common.Worker(cmd, env, cwd, side)
 
 
 def first_difference(a_BxT, b_BxT):
@@ -175,12 +157,12 @@ def first_difference(a_BxT, b_BxT):
 def bench_batch(workers, prompts, args):
   batch = len(prompts)
   for w in workers.values():  # warm-up: compiles, caches, allocator
-    w.call(prompts)
+    w.call(f"run {json.dumps(prompts)}")
   rounds = {name: [] for name in workers}
   for i in range(args.reps):  # each round starts one side later: no side always follows another
     for name in common.rotated(list(workers), i):
       time.sleep(args.settle)  # let the previous side's threads go idle
-      rounds[name].append(workers[name].call(prompts))
+      rounds[name].append(workers[name].call(f"run {json.dumps(prompts)}"))
   tokens = batch * args.max_new
   rec = {"batch": batch, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new,
          "reps": args.reps, "sides": {}}
@@ -239,7 +221,7 @@ def main(argv=None):
   batches = common.positive_ints(ap, "--batches", args.batches)
   records = []
   for b in batches:  # fresh workers per batch: each compiles for its batch
-    workers = {s: Worker(args, s) for s in sides}
+    workers = {s: start_worker(args, s) for s in sides}
     try:
       rec = bench_batch(workers, heldout(args.workdir, b, args.prompt_len, args.seed), args)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +14,33 @@ from mtp_jax import cli
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Worker:
+  """A benchmark side in a process of its own (`cmd`, `env`, started in `cwd`), spoken to in
+  lines: its first stdout line says it is ready (`ready`, parsed JSON); `call(line)` sends one
+  request line and returns the JSON line it answers; `close()` sends "quit" and waits."""
+
+  def __init__(self, cmd: list[str], env: dict, cwd: str | None, name: str):
+    self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env, cwd=cwd)
+    line = self.p.stdout.readline()
+    if not line:
+      raise RuntimeError(f"the {name} worker failed to start (its error is above)")
+    self.ready = json.loads(line)
+
+  def call(self, request: str) -> dict:
+    self.p.stdin.write(request + "\n")
+    self.p.stdin.flush()
+    line = self.p.stdout.readline()
+    if not line:
+      raise RuntimeError("a worker died (its error is above)")
+    return json.loads(line)
+
+  def close(self):
+    self.p.stdin.write("quit\n")
+    self.p.stdin.close()
+    self.p.wait()
 
 
 def module_command(module: str, env=None, tree: str | None = None) -> tuple[list[str], dict]:

@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -97,31 +96,14 @@ def worker(a):
     print(json.dumps(out), flush=True)
 
 
-class Worker:
-  def __init__(self, tree: str, argv: list[str]):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree)] + [
-        p for p in [env.get("PYTHONPATH")] if p])
-    self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", *argv],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                              cwd=os.path.abspath(tree))
-    line = self.p.stdout.readline()
-    if not line:
-      raise RuntimeError(f"the worker for {tree} failed to start (its error is above)")
-    self.code = json.loads(line)["ready"]
-
-  def call(self) -> dict:
-    self.p.stdin.write("run\n")
-    self.p.stdin.flush()
-    line = self.p.stdout.readline()
-    if not line:
-      raise RuntimeError("a worker died (its error is above)")
-    return json.loads(line)
-
-  def close(self):
-    self.p.stdin.write("quit\n")
-    self.p.stdin.close()
-    self.p.wait()
+def start_worker(tree: str, argv: list[str]):
+  """This file as a worker process, `tree`'s mtp_jax first on PYTHONPATH."""
+  from experiments import common
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree)] + [
+      p for p in [env.get("PYTHONPATH")] if p])
+  return common.Worker([sys.executable, os.path.abspath(__file__), "--worker", *argv], env,
+                       os.path.abspath(tree), f"{tree}'s")
 
 
 def main(argv=None):
@@ -158,12 +140,12 @@ def main(argv=None):
            "--prompt_len", str(a.prompt_len), "--cycles", a.cycles]
   wargv += (["--smoke"] if a.smoke else []) + (
       ["--workdir", os.path.abspath(a.workdir)] if a.workdir else [])
-  sides = {"ref": Worker(a.ref_tree, wargv), "new": Worker(ROOT, wargv)}
+  sides = {"ref": start_worker(a.ref_tree, wargv), "new": start_worker(ROOT, wargv)}
   rounds = {n: [] for n in sides}
   t0 = time.time()
   for r in range(a.rounds):
     for n in common.rotated(list(sides), r):
-      rounds[n].append(sides[n].call())
+      rounds[n].append(sides[n].call("run"))
     print(f"round {r + 1}/{a.rounds} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
   for w in sides.values():
     w.close()
@@ -177,7 +159,7 @@ def main(argv=None):
         "cycle_new_over_ref_quartiles": sorted(round(1 / x, 3) for x in band),
         "same_tokens": rounds["new"][-1][name]["tokens_sha256"]
         == rounds["ref"][-1][name]["tokens_sha256"]}
-  rec = {"ref_tree": sides["ref"].code, "new_tree": sides["new"].code,
+  rec = {"ref_tree": sides["ref"].ready["ready"], "new_tree": sides["new"].ready["ready"],
          "workdir": a.workdir or None, "k": a.k, "prompt_len": a.prompt_len,
          "rounds": a.rounds, "cycles": a.cycles, "sampling": SAMPLING, "cells": cells}
   common.emit(rec, a.json)

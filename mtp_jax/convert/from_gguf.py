@@ -19,6 +19,7 @@ gguf_file=...)` and its tokenizer (tests/test_gguf.py, tests/integration/test_sm
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -86,10 +87,36 @@ def open_gguf(path: str):
   return reader
 
 
+@contextlib.contextmanager
+def one_reader(path: str, reader):
+  """While open, `gguf.GGUFReader(path)` returns `reader` (built by `open_gguf`). transformers
+  opens the file anew for each of its reads (the config, the tensors, the tokenizer), and the
+  gguf package builds a reader by parsing every metadata entry one by one: ~4 s each for
+  SmolLM2's 49,152-token vocabulary and 48,900 merges. Any other path opens as before."""
+  import gguf
+  made = gguf.GGUFReader
+  mine = os.path.realpath(path)
+
+  def reader_for(p, *args, **kwargs):
+    if not args and not kwargs and os.path.realpath(p) == mine:
+      return reader
+    return made(p, *args, **kwargs)
+
+  gguf.GGUFReader = reader_for
+  try:
+    yield reader
+  finally:
+    gguf.GGUFReader = made
+
+
 def read_gguf(path: str) -> tuple[dict, dict[str, np.ndarray]]:
   """(config.json fields as transformers reads them from the metadata, HF-named float32
   tensors) of the GGUF file `path` (checked with `open_gguf` first)."""
-  open_gguf(path)
+  with one_reader(path, open_gguf(path)):
+    return _read_checked(path)
+
+
+def _read_checked(path: str) -> tuple[dict, dict[str, np.ndarray]]:
   import torch
   from transformers import AutoConfig
   from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -129,8 +156,8 @@ def import_gguf(path: str, out: str, *, n_future: int, heads: str, init_heads: s
   for the rest). Nothing is written unless every tensor reads with its shape."""
   check_out(out)
   from_hf.check_init_heads(init_heads)
-  hf, tensors = read_gguf(path)
-  with tempfile.TemporaryDirectory() as tmp:
+  with one_reader(path, open_gguf(path)), tempfile.TemporaryDirectory() as tmp:
+    hf, tensors = _read_checked(path)
     tok = tokenizer or save_tokenizer(path, tmp)
     try:
       return from_hf.import_source(hf, TensorDict(tensors), out, source=path, n_future=n_future,

@@ -153,6 +153,30 @@ def test_prefiltered_truncation_equals_the_full_sort(scale, top_k, top_p):
     assert ((want > 0).sum(-1) > sampling.PREFILTER).all()  # the fall-back was needed
 
 
+def test_exact_threshold_equals_the_sorted_one():
+  """The bisection that replaces the full sort (a flat draft head's nucleus is wider than the
+  prefilter): the same smallest kept value as the NumPy reference, over top-k, top-p and both,
+  with ties on the edges, negative and positive values, -inf, and SmolLM2's 49,152 tokens."""
+  rng = np.random.default_rng(5)
+  rows = [rng.standard_normal(300) * s for s in (0.01, 0.1, 1.0, 5.0)]
+  tied = np.round(rng.standard_normal(300) * 2) / 2  # few distinct values: ties everywhere
+  rows += [tied, tied - 10.0, np.where(rng.random(300) < 0.3, -np.inf, tied)]
+  z_xV = np.float32(rows)
+  for top_k, top_p in [(0, 0.9), (0, 0.3), (100, 1.0), (7, 1.0), (100, 0.8), (300, 0.99),
+                       (1, 0.5), (0, 0.999)]:
+    sp = sampling.Settings(jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p))
+    got = np.asarray(jax.jit(sampling.exact_threshold)(jnp.asarray(z_xV), sp))[:, 0]
+    want = np.stack([reference_probs(z, 1.0, top_k, top_p) for z in z_xV])
+    want_thr = np.where(want > 0, z_xV, np.inf).min(-1)
+    np.testing.assert_array_equal(got, want_thr, err_msg=str((top_k, top_p)))
+  flat = jnp.asarray(rng.standard_normal((2, 49152)) * 0.3, jnp.float32)
+  sp = sampling.Settings(jnp.float32(1.0), jnp.int32(0), jnp.float32(0.95))
+  got = np.asarray(jax.jit(sampling.probs)(flat, sp))
+  want = np.asarray(full_sort_probs(flat, sp))
+  assert ((want > 0).sum(-1) > 10_000).all()  # far past the prefilter
+  np.testing.assert_array_equal(got > 0, want > 0)
+
+
 @pytest.mark.parametrize("top_k, top_p", [(10, 1.0), (10, 0.5), (sampling.PREFILTER, 0.9),
                                           (0, 0.3)])
 def test_prefilter_keeps_ties_like_the_reference(top_k, top_p):

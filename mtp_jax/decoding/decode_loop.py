@@ -151,12 +151,13 @@ def run(cycle, state: DecodeState, max_cycles, max_new_tokens: int):
 
 def draft_dists(h_K1xBxSxD, W_DxV, slot_B, sp):
   """[B, k-1, V]: heads 2..k's sampling distributions at each row's slot (logits as
-  heads/sequential.py computes them, so a sequential chain draws the same drafts)."""
+  heads/sequential.py computes them, so a sequential chain draws the same drafts), unembedded
+  there only (not at every window position: on SmolLM2 each is a 576 x 49,152 product)."""
   rows_B = jnp.arange(slot_B.shape[0])
   if h_K1xBxSxD.shape[0] == 0:
     return jnp.zeros((slot_B.shape[0], 0, W_DxV.shape[1]), jnp.float32)
-  return jnp.stack([sampling_lib.probs(head_logits(h_BxSxD, W_DxV)[rows_B, slot_B], sp)
-                    for h_BxSxD in h_K1xBxSxD], axis=1)
+  return jnp.stack([sampling_lib.probs(head_logits(h_BxSxD[rows_B, slot_B][:, None], W_DxV)[:, 0],
+                                       sp) for h_BxSxD in h_K1xBxSxD], axis=1)
 
 
 def read_slots(slot_B, k: int) -> jax.Array:

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 
 PROBE_CYCLES = 12  # cycles of the probe run that measures acceptance for "auto"
+PLAIN_PROBE_STEPS = 48  # plain decoding's steps in its timed probe (`probe_lengths`)
 CACHE_SIZE = 32  # entries a Session keeps of each cache (the least recently used go first)
 
 
@@ -34,6 +35,18 @@ class _Probe:
   rows_hist: np.ndarray
   forwards: int
   tokens_per_forward: float
+
+
+def probe_lengths(k: int, max_new_tokens: int) -> tuple[int, int]:
+  """(short, long): the cycles of a probe's two timed runs. A speculative window: PROBE_CYCLES
+  // 3 and PROBE_CYCLES (the long run's histogram is the acceptance probe). Plain decoding (k
+  1): PLAIN_PROBE_STEPS // 4 and PLAIN_PROBE_STEPS, its steps being a few times cheaper than a
+  cycle; with 8 (0.1-0.4 ms each at batch 1 on a CPU) the difference was within a call's jitter
+  and T1 came out up to 3x low (docs/decoding.md). Both within the call's max_new_tokens."""
+  short, long = (PROBE_CYCLES // 3, PROBE_CYCLES) if k > 1 else (PLAIN_PROBE_STEPS // 4,
+                                                                  PLAIN_PROBE_STEPS)
+  long = max(min(long, max_new_tokens - 1), 2)
+  return min(short, long // 3), long
 
 
 class _Bounded:
@@ -128,6 +141,7 @@ class Session:
         "probe", params=True, batch=len(prompts), max_new_tokens=max_new_tokens, k=k,
         prompt_bucket=timing_cache.prompt_bucket(max(len(p) for p in prompts)),
         window=f"chain:{k}" if tree is None else tree.name,
+        lengths=list(probe_lengths(k if tree is None else tree.k, max_new_tokens)),
         sampling={n: v for n, v in sample_kw.items() if n != "seed"} if sampling else None)
     hit = self.disk.get(key) if key else None
     try:
@@ -151,16 +165,17 @@ class Session:
   def _run_probe(self, prompts, tree, *, k, max_new_tokens, sampling, eos_id, pad_id,
                  sample_kw):
     """(result, seconds per cycle) of `tree` (None: the chain of k) on the call's prompts: runs
-    of PROBE_CYCLES and of PROBE_CYCLES // 3 cycles (the difference cancels the prefill and the
-    call), the fastest of 3 interleaved rounds each."""
+    of the two `probe_lengths` (the difference cancels the prefill and the call), the fastest
+    of 3 interleaved rounds each."""
     dec = Decoder(self.params, self.args, k=k, batch=len(prompts),
                   prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
                   sampling=sampling, tree=tree)
-    runs = {c: [] for c in (PROBE_CYCLES // 3, PROBE_CYCLES)}
+    lengths = probe_lengths(k if tree is None else tree.k, max_new_tokens)
+    runs = {c: [] for c in lengths}
     for _ in range(3):
       for c, rs in runs.items():
         rs.append(dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c, **sample_kw))
-    short, full = runs[PROBE_CYCLES // 3], runs[PROBE_CYCLES]
+    short, full = (runs[c] for c in lengths)
     r = full[0]  # the acceptance histograms (every round decodes the same)
     return r, ((min(x.seconds for x in full) - min(x.seconds for x in short))
                / max(r.forwards - short[0].forwards, 1))

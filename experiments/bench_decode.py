@@ -45,6 +45,11 @@ cost model picks for the cell), `auto_tree` (--heads auto --tree auto). Each rec
 Also (`teacher_forced`, in every record and the first line): on the same held-out text, the
 agreement of head k with head 1 and the per-position alpha_k greedy and sampled (mtp_jax.acceptance:
 what training's evals log; loops in free generation cannot flatter them).
+
+<json>_calibration.json (`calibration`): per mode, auto against each cell's best variant, and
+auto's own prediction for every candidate it weighed that also ran as a fixed variant, against
+the clock (`candidates`, `candidates_within_15pct` of `candidates_compared`; the same for those
+it predicted to beat plain decoding: `predicted_speculation[_within_15pct]`).
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ from mtp_jax.decoding import decode as decode_lib
 from mtp_jax import acceptance, train
 from mtp_jax import steps as steps_lib
 from experiments import common
-from mtp_jax.decoding import speed, timing_cache
+from mtp_jax.decoding import costmodel, speed, timing_cache
 from mtp_jax.data import corpus
 from mtp_jax.workdir import load_workdir
 
@@ -182,6 +187,24 @@ def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None):
   return records
 
 
+def candidate_off_by(auto_rec, cell) -> list[dict]:
+  """auto's own prediction for each candidate it weighed (its table: the pessimistic a, the
+  timed forwards, the probes' loop factors) against the S that candidate measured in the same
+  cell when it ran as a fixed variant: the cost model as auto uses it, judged on every
+  candidate, not only on the one it picked."""
+  out = []
+  for row in auto_rec["auto"]["table"]:
+    chain = set(str(row["tree"]).split(",")) <= {"", "1"}  # a chain of k: k - 1 ones
+    same = [x for x in cell if row["heads"] > 1 and (
+        (x["tree"] is None and x["heads"] == row["heads"]) if chain else x["tree"] == row["tree"])]
+    for x in same[:1]:
+      out.append({"variant": x["variant"], "S_predicted": row["S_predicted"],
+                  "a_predicted": row["a_predicted"], "S_measured": x["S_measured"],
+                  "a_batch": x["a_batch"], "off_by": row["S_predicted"] / x["S_measured"] - 1,
+                  "predicts_speculation": bool(row["S_predicted"] >= costmodel.MIN_GAIN)})
+  return out
+
+
 def calibration(records) -> dict:
   """The cost model against the clock over the grid, per mode: off_by (S predicted from the
   measured a over S measured, - 1) as median and largest |off_by|; and auto judged against the
@@ -213,11 +236,22 @@ def calibration(records) -> dict:
           "holds": bool(r["S_measured"] >= 0.95 * best_S),
           "S_predicted_auto": r["S_predicted_auto"], "off_by_auto": r["off_by_auto"],
           "cost_model_within_15pct": bool(abs(r["off_by_auto"]) <= 0.15) if bet else None,
+          "candidates": candidate_off_by(r, cell),
           **{f: r.get(f) for f in ("S_with_decision", "S_with_decision_cached",
                                    "auto_decision_seconds", "auto_decision_seconds_cached")},
           "plain": not bet})
+    cands = [c for a in autos for c in a["candidates"]]
+    bets = [c for c in cands if c["predicts_speculation"]]
     out[mode] = {"cells": len(rs), "off_by_median_abs": float(np.median(off)),
-                 "off_by_max_abs": float(off.max()), "auto": autos}
+                 "off_by_max_abs": float(off.max()), "auto": autos,
+                 "candidates_off_by_median_abs": (float(np.median([abs(c["off_by"])
+                                                                  for c in cands]))
+                                                  if cands else None),
+                 "candidates_within_15pct": sum(abs(c["off_by"]) <= 0.15 for c in cands),
+                 "candidates_compared": len(cands),
+                 "predicted_speculation_within_15pct": sum(abs(c["off_by"]) <= 0.15
+                                                           for c in bets),
+                 "predicted_speculation": len(bets)}
     if autos:
       out[mode]["auto_holds"] = all(a["holds"] for a in autos)
   return out

@@ -14,7 +14,8 @@ random prompts of --prompt_len ids, EOS ignored, (t36 - t4) / 32, so prefill and
 cancel (experiments/parallel_cycle.py's measure). Sampled cells draw at temperature 1, top-p 0.95.
 Rounds alternate the two workers (one waits while the other runs; rotated order). Per cell the
 record gives each side's median ms per cycle, this code's cycle over the reference's (median of
-same-round ratios, and quartiles: the noise band) and whether both decoded the same tokens.
+same-round ratios, quartiles, the 95% paired bootstrap interval, Wilcoxon's signed-rank p for
+"no change", and the rounds' seconds) and whether both decoded the same tokens.
 --smoke: a tiny model, greedy, batch 1, 2 rounds (the suite's run; --ref_tree defaults to this
 checkout there).
 """
@@ -27,6 +28,8 @@ import json
 import os
 import sys
 import time
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLING = {"temperature": 1.0, "top_p": 0.95, "seed": 1}
@@ -106,6 +109,16 @@ def start_worker(tree: str, argv: list[str]):
                        os.path.abspath(tree), f"{tree}'s")
 
 
+def wilcoxon_p(ref: list[float], new: list[float]) -> float | None:
+  """Two-sided Wilcoxon signed-rank p-value of the rounds' log(ref / new) (None under 2 rounds;
+  with 7 rounds the smallest possible is 0.016)."""
+  if len(ref) < 2:
+    return None
+  from scipy import stats
+  d = np.log(np.asarray(ref, float) / np.asarray(new, float))
+  return None if not d.any() else round(float(stats.wilcoxon(d).pvalue), 4)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--ref_tree", default=None, help="the reference checkout")
@@ -133,6 +146,7 @@ def main(argv=None):
   if a.workdir and not os.path.isdir(a.workdir):
     ap.error(f"--workdir: no such directory: {a.workdir}")
   from experiments import common
+  from mtp_jax.decoding import speed as speed_lib
   cycles = a.cycles.split(",")
   if len(cycles) != 2 or not all(c.isdigit() for c in cycles) or int(cycles[0]) >= int(cycles[1]):
     ap.error(f"--cycles: two counts, the first smaller (e.g. 4,36), got {a.cycles!r}")
@@ -157,6 +171,12 @@ def main(argv=None):
         "ms_per_cycle": {n: round(1e3 * sorted(v)[len(v) // 2], 3) for n, v in s.items()},
         "cycle_new_over_ref": round(1 / speed, 3),
         "cycle_new_over_ref_quartiles": sorted(round(1 / x, 3) for x in band),
+        # the 95% paired bootstrap interval of the median same-round ratio, and Wilcoxon's
+        # signed-rank p-value for "no change" (two-sided, on the rounds' log ratios)
+        "cycle_new_over_ref_ci": sorted(round(1 / x, 3)
+                                        for x in speed_lib.paired_ci(s["ref"], s["new"])),
+        "p_value": wilcoxon_p(s["ref"], s["new"]),
+        "seconds": {n: [round(x, 6) for x in v] for n, v in s.items()},
         "same_tokens": rounds["new"][-1][name]["tokens_sha256"]
         == rounds["ref"][-1][name]["tokens_sha256"]}
   rec = {"ref_tree": sides["ref"].ready["ready"], "new_tree": sides["new"].ready["ready"],

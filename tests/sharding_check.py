@@ -371,7 +371,7 @@ def _batch12():
   return c
 
 
-HEAVY_CHECKS = ("loss_grads_one_axis",)  # run when named (tests/test_sharding.py's heavy tier)
+HEAVY_CHECKS = ("loss_grads_one_axis", "byte_vocab")  # run when named (the heavy tier)
 
 
 def main(argv):

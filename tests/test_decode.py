@@ -210,7 +210,10 @@ def test_auto_heads_follow_the_cost_model(trained, monkeypatch, tk_over_t1, want
   assert r.auto["S_predicted"] == (1.0 if want == 1 else table[4]["S_predicted"])
 
 
+# Heavy tier (~22 s: four decodes compiled twice): make test checks the slot forward against the
+# every-token one directly (tests/test_two_phase.py), states and caches.
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_parallel_slot_cycle_equals_every_token_cycle(trained):
   """Parallel heads decode with heads 2..k's full block at the read slot alone (their keys and
   values written at every window token): the same drafts as every head block over every window

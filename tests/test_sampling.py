@@ -54,7 +54,10 @@ def heavy(param):
   return pytest.param(param, marks=pytest.mark.heavy)
 
 
-@pytest.fixture(scope="module", params=KINDS)
+# Heavy tier for parallel and projection (~22 s): test_model checks each kind's cache against
+# the full forward, and test_decode speculative = greedy per kind; the sequential chain, whose
+# depths read drafts through the cache, stays in make test.
+@pytest.fixture(scope="module", params=[k if k == "sequential" else heavy(k) for k in KINDS])
 def model(request):
   return make(request.param)
 
@@ -159,12 +162,16 @@ def bonus_from_previous_slot(drafts_BxK1, p_BxKxV, q_BxK1xV, u_BxK):
 
 # (wrong rule, heads, rows): each its own batch size, so each is traced afresh into its own
 # program (decode's jit caches by shape, and a monkeypatched rule is not part of the key).
-WRONG = [(always_accept, K, N + 1), (resample_from_p, K, N + 2),
-         (bonus_from_previous_slot, 2, N + 3)]
+# make test keeps one wrong chain rule and one wrong tree rule to show the statistic's power;
+# the heavy tier the others (~18 s).
+WRONG = [(always_accept, K, N + 1),
+         pytest.param(resample_from_p, K, N + 2, marks=pytest.mark.heavy),
+         pytest.param(bonus_from_previous_slot, 2, N + 3, marks=pytest.mark.heavy)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrong, k, n", WRONG, ids=[w[0].__name__ for w in WRONG])
+@pytest.mark.parametrize("wrong, k, n", WRONG, ids=["always_accept", "resample_from_p",
+                                                     "bonus_from_previous_slot"])
 def test_chi_square_rejects_a_wrong_rule(monkeypatch, wrong, k, n):
   """The tests above have power: the same statistic at the same sample size rejects wrong rules;
   a counter shows the wrong rule was traced into the program that produced the samples."""
@@ -232,11 +239,11 @@ def test_sampled_trees_are_exact_in_distribution(kind):
 
 
 # (wrong setting of accept_tree, rows): each its own batch size, so each is traced afresh.
-WRONG_TREE = [("parent", N + 4), ("p", N + 5)]
+WRONG_TREE = [pytest.param("parent", N + 4, marks=pytest.mark.heavy), ("p", N + 5)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrong, n", WRONG_TREE, ids=[w[0] for w in WRONG_TREE])
+@pytest.mark.parametrize("wrong, n", WRONG_TREE, ids=["parent", "p"])
 def test_chi_square_rejects_a_wrong_tree_rule(monkeypatch, wrong, n):
   """The tree test has power: siblings tested against the parent's p (never renormalised after a
   rejection), or the token after rejected siblings drawn from p instead of the residual, fail

@@ -106,3 +106,20 @@ def test_candidates_and_union():
   two = costmodel.candidates(2, trees=True)
   assert two and all(len(c.spec) < 2 for c in two)
 
+
+
+def test_a_calls_fixed_part_pulls_the_speedup_towards_one():
+  """S is the call's: (F1 + N T1) / (F + N / a T). A chain of 2 at a = 2 and 1.5x the cost
+  gains 1.33 over its cycles; a prefill and call costing 10 plain steps on both sides leave
+  (10 + 100) / (10 + 75) = 1.29, and 1,000 steps leave 1.02, under MIN_GAIN: plain decoding."""
+  assert costmodel.call_speedup(2.0, 1.0, 1.5) == pytest.approx(4 / 3)
+  assert costmodel.call_speedup(2.0, 1.0, 1.5, 100) == pytest.approx(4 / 3)
+  assert costmodel.call_speedup(2.0, 1.0, 1.5, 100, 10.0, 10.0) == pytest.approx(110 / 85)
+  probe, cands = costmodel.chain(2), costmodel.candidates(2, trees=False)
+  hist = np.asarray([[0, 40]])  # every draft accepted: a = 2
+  seconds = lambda c: (1.0, 1.0 if c.k == 1 else 1.5)
+  for fixed, want in ((10.0, probe), (1000.0, costmodel.chain(1))):
+    r = costmodel.choose(hist, probe, cands, seconds, max_new_tokens=100,
+                         fixed=lambda c, f=fixed: (f, f))
+    assert r["tree"] == want, r["table"]
+    assert r["table"][1]["fixed_seconds"] == fixed

@@ -145,3 +145,25 @@ def test_evaluation_decides_from_the_cache_and_says_so(model, cache, counted):
   assert first[1].startswith("auto: ") and "deciding took" in first[1]
   assert first[2].startswith("batch 1/2: 2/4 rows,") and first[3].startswith("batch 2/2: 4/4")
   assert "0.0s of it measured" in second[1] and "0.0s of it measured" not in first[1]
+
+
+def test_the_plain_probe_times_longer_runs(model, monkeypatch):
+  """Plain decoding's timed probe runs 12 and 48 steps (within max_new_tokens), a speculative
+  window's 4 and 12 cycles: 8 plain steps were within a call's jitter (docs/decoding.md)."""
+  assert session_lib.probe_lengths(4, 128) == (4, 12)
+  assert session_lib.probe_lengths(1, 128) == (12, 48)
+  assert session_lib.probe_lengths(1, 32) == (10, 31)
+  assert session_lib.probe_lengths(1, 2) == (1, 2)
+  args, params = model
+  seen, real = [], session_lib.Decoder.__call__
+
+  def call(self, *a, max_cycles=None, **kw):
+    seen.append(max_cycles)
+    return real(self, *a, max_cycles=max_cycles, **kw)
+
+  monkeypatch.setattr(session_lib.Decoder, "__call__", call)
+  s = session_lib.Session(params, args)
+  r, seconds, fixed = s._run_probe(PROMPTS, None, k=1, max_new_tokens=32, sampling=False,
+                                   eos_id=-1, pad_id=PAD, sample_kw={})
+  assert sorted(set(seen)) == [10, 31] and len(seen) == 6  # 3 interleaved rounds of each
+  assert seconds > 0 and fixed >= 0, (seconds, fixed)

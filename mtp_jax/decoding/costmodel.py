@@ -25,8 +25,10 @@ counted once, no z on top (docs/decoding.md, "One pessimism rule").
 (Sampled chains: the histogram of accepted drafts, read the same way; exact for greedy, an
 estimate for sampling.) The loop's own cost beyond the forward (acceptance, drafting, stops) is
 measured on the probe for the candidates and on a plain decoding loop for plain decoding
-(`decode.Session`), so both sides of S carry their loop. The choice is the candidate of highest
-predicted S, plain decoding (S = 1) unless a candidate beats it by MIN_GAIN.
+(`decode.Session`), so both sides of S carry their loop; the same probes give each call's
+fixed part (prefill, the call), and the S compared is the call's (`call_speedup`). The choice
+is the candidate of highest predicted S, plain decoding (S = 1) unless a candidate beats it by
+MIN_GAIN.
 """
 
 from __future__ import annotations
@@ -220,10 +222,21 @@ def predict_a(hist_BxN: np.ndarray, probe: Tree, cand: Tree, *,
   return float(np.clip(n / max(slowest, 1.0), 1.0, n))
 
 
+def call_speedup(a: float, t1: float, t: float, n: int = 0, f1: float = 0.0,
+                 f: float = 0.0) -> float:
+  """S of a call that makes n = max_new_tokens tokens: (f1 + n t1) / (f + n / a t), f1 and f
+  what plain decoding's and the candidate's calls spend besides their cycles (the prefill, the
+  call); a t1 / t, the cycles' ratio, when n is 0 or neither has a fixed part."""
+  if not n or not (f1 or f):
+    return a * t1 / t
+  return (f1 + n * t1) / (f + n / a * t)
+
+
 def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *,
-           max_new_tokens: int = 0) -> dict:
-  """The candidate of highest predicted S = a x T1 / T(candidate); seconds(tree) -> (T1, T)
-  (`forward_times`, each with its loop's factor); a from `predict_a` (max_new_tokens: the
+           max_new_tokens: int = 0, fixed=None) -> dict:
+  """The candidate of highest predicted S (`call_speedup`); seconds(tree) -> (T1, T)
+  (`forward_times`, each with its loop's factor); fixed(tree) -> (F1, F), the calls' seconds
+  besides their cycles (None: 0, so S = a x T1 / T); a from `predict_a` (max_new_tokens: the
   expected slowest row of a decode that long; "a_mean" in the table is the slowest row's mean).
   Returns {"tree": Tree, "S_predicted", "a_predicted", "table": [...]} (plain decoding, the
   chain of 1, unless a candidate's S is at least MIN_GAIN)."""
@@ -231,9 +244,11 @@ def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *,
   for cand in cands:
     a = predict_a(hist_BxN, probe, cand, max_new_tokens=max_new_tokens)
     t1, t = seconds(cand)
+    f1, f = fixed(cand) if fixed else (0.0, 0.0)
     table.append({"tree": cand.name, "heads": cand.k, "nodes": cand.n_nodes, "a_predicted": a,
                   "a_mean": predict_a(hist_BxN, probe, cand), "forward_1_seconds": t1,
-                  "forward_seconds": t, "S_predicted": a * t1 / t})
+                  "forward_seconds": t, "fixed_1_seconds": f1, "fixed_seconds": f,
+                  "S_predicted": call_speedup(a, t1, t, max_new_tokens, f1, f)})
   best = max(range(len(cands)), key=lambda i: table[i]["S_predicted"])
   if table[best]["S_predicted"] < MIN_GAIN:
     best = 0  # plain decoding

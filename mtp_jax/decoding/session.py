@@ -46,7 +46,7 @@ def probe_lengths(k: int, max_new_tokens: int) -> tuple[int, int]:
   short, long = (PROBE_CYCLES // 3, PROBE_CYCLES) if k > 1 else (PLAIN_PROBE_STEPS // 4,
                                                                   PLAIN_PROBE_STEPS)
   long = max(min(long, max_new_tokens - 1), 2)
-  return min(short, long // 3), long
+  return max(min(short, long // 3), 1), long
 
 
 class _Bounded:
@@ -135,8 +135,8 @@ class Session:
         eos_id=eos_id, pad_id=pad_id, sample_kw=sample_kw))
 
   def _probe(self, prompts, tree, *, k, max_new_tokens, sampling, eos_id, pad_id, sample_kw):
-    """(result, seconds per cycle) of `tree` (None: the chain of k): `_run_probe`'s, or what
-    the disk cache kept of it for this model and shape (rows_hist, forwards, a, the seconds)."""
+    """(result, seconds per cycle, seconds besides the cycles) of `tree` (None: the chain of
+    k): `_run_probe`'s, or what the disk cache kept of it for this model and shape."""
     key = self.disk and self._key(
         "probe", params=True, batch=len(prompts), max_new_tokens=max_new_tokens, k=k,
         prompt_bucket=timing_cache.prompt_bucket(max(len(p) for p in prompts)),
@@ -146,27 +146,30 @@ class Session:
     hit = self.disk.get(key) if key else None
     try:
       if hit is not None:
-        return _Probe(np.asarray(hit["rows_hist"], np.int64), int(hit["forwards"]),
-                      float(hit["tokens_per_forward"])), float(hit["cycle_seconds"])
+        return (_Probe(np.asarray(hit["rows_hist"], np.int64), int(hit["forwards"]),
+                       float(hit["tokens_per_forward"])), float(hit["cycle_seconds"]),
+                float(hit["fixed_seconds"]))
     except (KeyError, TypeError, ValueError) as e:
       log.warning("timing cache: ignoring a probe entry (%s: %s); probing again",
                   type(e).__name__, e)
     t0 = time.perf_counter()
-    r, cycle_seconds = self._run_probe(prompts, tree, k=k, max_new_tokens=max_new_tokens,
-                                       sampling=sampling, eos_id=eos_id, pad_id=pad_id,
-                                       sample_kw=sample_kw)
+    r, cycle_seconds, fixed_seconds = self._run_probe(
+        prompts, tree, k=k, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
+        pad_id=pad_id, sample_kw=sample_kw)
     self.measured_seconds += time.perf_counter() - t0
     if key:
       self.disk.put(key, {"rows_hist": np.asarray(r.rows_hist).tolist(), "forwards": r.forwards,
                           "tokens_per_forward": r.tokens_per_forward,
-                          "cycle_seconds": cycle_seconds})
-    return r, cycle_seconds
+                          "cycle_seconds": cycle_seconds, "fixed_seconds": fixed_seconds})
+    return r, cycle_seconds, fixed_seconds
 
   def _run_probe(self, prompts, tree, *, k, max_new_tokens, sampling, eos_id, pad_id,
                  sample_kw):
-    """(result, seconds per cycle) of `tree` (None: the chain of k) on the call's prompts: runs
-    of the two `probe_lengths` (the difference cancels the prefill and the call), the fastest
-    of 3 interleaved rounds each."""
+    """(result, seconds per cycle, seconds besides the cycles) of `tree` (None: the chain of k)
+    on the call's prompts: runs of the two `probe_lengths`, the fastest of 3 interleaved rounds
+    each; the slope between them is a cycle, and what the short run spent beyond its cycles
+    the call's fixed part (its prefill, the call itself: with 128 new tokens at 0.3 ms a plain
+    step, a prefill of 256 tokens and the call were a third of plain decoding's time here)."""
     dec = Decoder(self.params, self.args, k=k, batch=len(prompts),
                   prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
                   sampling=sampling, tree=tree)
@@ -177,8 +180,9 @@ class Session:
         rs.append(dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c, **sample_kw))
     short, full = (runs[c] for c in lengths)
     r = full[0]  # the acceptance histograms (every round decodes the same)
-    return r, ((min(x.seconds for x in full) - min(x.seconds for x in short))
-               / max(r.forwards - short[0].forwards, 1))
+    t_short = min(x.seconds for x in short)
+    cycle = (min(x.seconds for x in full) - t_short) / max(r.forwards - short[0].forwards, 1)
+    return r, cycle, max(t_short - short[0].forwards * cycle, 0.0)
 
   def _decide(self, prompts, *, max_new_tokens, k, n, trees, sampling, eos_id, pad_id,
               sample_kw) -> dict:
@@ -193,8 +197,8 @@ class Session:
                   + (f", read from {self.disk.root} where kept)" if self.disk else ")"))
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
               sample_kw=sample_kw)
-    r, cycle_seconds = self._probe(prompts, probe if trees else None, k=probe.k, **kw)
-    _, plain_cycle_seconds = self._probe(prompts, None, k=1, **kw)  # plain decoding's loop
+    r, cycle_seconds, fixed = self._probe(prompts, probe if trees else None, k=probe.k, **kw)
+    _, plain_cycle_seconds, plain_fixed = self._probe(prompts, None, k=1, **kw)  # plain's loop
     context = timing_cache.prompt_bucket(width) + max_new_tokens // 2
 
     one = costmodel.chain(1)
@@ -207,11 +211,14 @@ class Session:
     seconds = lambda c: (times[one] * plain_loop_factor,
                          times[c] * (loop_factor if c.k > 1 else plain_loop_factor))
     pessimism = dict(max_new_tokens=max_new_tokens)  # the expected slowest row
+    # each call's fixed part: plain decoding's from its probe, every candidate's from the probe's
+    fixed_of = lambda c: (plain_fixed, fixed if c.k > 1 else plain_fixed)
 
-    picked = costmodel.choose(r.rows_hist, probe, cands, seconds, **pessimism)
+    picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, **pessimism)
     best = picked.pop("tree")
     if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
-      picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism, **kw)
+      picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism,
+                                   plain_fixed=plain_fixed, **kw)
     spent = time.perf_counter() - t0
     label = ("plain decoding" if best.k == 1 else f"tree {best.name}" if tree_lib.is_tree(best)
              else f"heads 1..{best.k}")
@@ -221,12 +228,13 @@ class Session:
                 probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
                        "tokens_per_forward": r.tokens_per_forward, "loop_factor": loop_factor,
                        "cycle_seconds": cycle_seconds, "plain_loop_factor": plain_loop_factor,
-                       "plain_cycle_seconds": plain_cycle_seconds},
+                       "plain_cycle_seconds": plain_cycle_seconds, "fixed_seconds": fixed,
+                       "plain_fixed_seconds": plain_fixed},
                 seconds=spent,
                 measured_seconds=self.measured_seconds - measured0,  # 0: all from the cache
                 cache=self.disk.root if self.disk else None)
 
-  def _dynamic(self, prompts, picked, best, *, k, pessimism, **kw):
+  def _dynamic(self, prompts, picked, best, *, k, pessimism, plain_fixed, **kw):
     """`tree=auto`'s dynamic candidate: dynamic:N over heads 2..k, N the node count of the static
     tree of highest predicted S; its a from a probe of its own (the slowest row's, smoothed as
     `costmodel.predict_a` does, from its histogram by depth), its T from its window's timed
@@ -237,7 +245,7 @@ class Session:
       return picked, best
     top = max(static, key=lambda row: row["S_predicted"])
     dyn = tree_lib.Dynamic(top["nodes"], k - 1)
-    r, cycle_seconds = self._probe(prompts, dyn, k=k, **kw)
+    r, cycle_seconds, fixed = self._probe(prompts, dyn, k=k, **kw)
     width = timing_cache.prompt_bucket(max(len(p) for p in prompts))
     t = self.forward_times([costmodel.chain(1), dyn], batch=len(prompts),
                            context=width + kw["max_new_tokens"] // 2)
@@ -246,7 +254,9 @@ class Session:
     row = {"tree": dyn.name, "heads": dyn.k, "nodes": dyn.nodes, "a_predicted": a,
            "a_mean": costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k)),
            "forward_1_seconds": top["forward_1_seconds"], "forward_seconds": T,
-           "S_predicted": a * top["forward_1_seconds"] / T}
+           "fixed_1_seconds": plain_fixed, "fixed_seconds": fixed,
+           "S_predicted": costmodel.call_speedup(a, top["forward_1_seconds"], T,
+                                                 kw["max_new_tokens"], plain_fixed, fixed)}
     picked = dict(picked, table=picked["table"] + [row])
     if row["S_predicted"] >= max(costmodel.MIN_GAIN, picked["S_predicted"]):
       return dict(picked, S_predicted=row["S_predicted"], a_predicted=a), dyn

@@ -193,14 +193,14 @@ def candidate_off_by(auto_rec, cell) -> list[dict]:
   cell when it ran as a fixed variant: the cost model as auto uses it, judged on every
   candidate, not only on the one it picked."""
   out = []
-  for row in auto_rec["auto"]["table"]:
+  for row in auto_rec["auto"].get("table", []):
     chain = set(str(row["tree"]).split(",")) <= {"", "1"}  # a chain of k: k - 1 ones
     same = [x for x in cell if row["heads"] > 1 and (
         (x["tree"] is None and x["heads"] == row["heads"]) if chain else x["tree"] == row["tree"])]
     for x in same[:1]:
       out.append({"variant": x["variant"], "S_predicted": row["S_predicted"],
                   "a_predicted": row["a_predicted"], "S_measured": x["S_measured"],
-                  "a_batch": x["a_batch"], "off_by": row["S_predicted"] / x["S_measured"] - 1,
+                  "a_batch": x.get("a_batch"), "off_by": row["S_predicted"] / x["S_measured"] - 1,
                   "predicts_speculation": bool(row["S_predicted"] >= costmodel.MIN_GAIN)})
   return out
 

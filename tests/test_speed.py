@@ -97,7 +97,8 @@ def test_paired_ci_narrows_with_calls_and_holds_the_median():
 def test_calibration_judges_auto_against_the_best_variant_of_its_cell():
   """bench_decode's calibration: auto that kept plain decoding where chain:4 won does not hold
   (it is no longer held by definition); where every variant lost, plain is the best and auto
-  at 0.97 of it holds; a bet whose prediction was 20% off is out of the cost model's 15%."""
+  at 0.97 of it holds; a bet whose prediction was 20% off is out of the cost model's 15%. auto's
+  table is judged on every candidate that also ran as a fixed variant."""
   from experiments import bench_decode
 
   def rec(variant, S, batch, heads, off_by_auto=None):
@@ -105,6 +106,11 @@ def test_calibration_judges_auto_against_the_best_variant_of_its_cell():
              S_ci=[S - 0.02, S + 0.02], S_ci_within_10pct=True)
     if variant == "auto":
       r.update(S_predicted_auto=1.0, off_by_auto=off_by_auto or 0.0)
+      chain = {1: 1.3, 8: 0.5, 32: 1.44}[batch]  # predicted S of chain:4 (chain:2 at 32)
+      r["auto"] = {"S_predicted": 1.0, "table": [
+          {"tree": "", "heads": 1, "S_predicted": 1.0, "a_predicted": 1.0},
+          {"tree": "1" if batch == 32 else "1,1,1", "heads": 2 if batch == 32 else 4,
+           "S_predicted": chain, "a_predicted": 2.0}]}
     return r
   cal = bench_decode.calibration([
       rec("chain:4", 1.4, 1, 4), rec("auto", 1.0, 1, 1),      # kept plain, chain:4 won
@@ -118,3 +124,10 @@ def test_calibration_judges_auto_against_the_best_variant_of_its_cell():
   assert by_batch[8]["cost_model_within_15pct"] is None  # no bet, nothing predicted to judge
   assert by_batch[32]["holds"] and by_batch[32]["cost_model_within_15pct"] is False
   assert cal["auto_holds"] is False
+  cands = {a["batch"]: a["candidates"] for a in cal["auto"]}
+  assert [c["variant"] for c in cands[1] + cands[8] + cands[32]] == ["chain:4", "chain:4",
+                                                                     "chain:2"]
+  assert [round(c["off_by"], 3) for c in cands[1] + cands[8] + cands[32]] == [
+      round(1.3 / 1.4 - 1, 3), round(0.5 / 0.6 - 1, 3), 0.2]
+  assert (cal["candidates_compared"], cal["candidates_within_15pct"]) == (3, 1)
+  assert (cal["predicted_speculation"], cal["predicted_speculation_within_15pct"]) == (2, 1)

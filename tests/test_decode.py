@@ -214,6 +214,7 @@ def test_auto_heads_follow_the_cost_model(trained, monkeypatch, tk_over_t1, want
 # every-token one directly (tests/test_two_phase.py), states and caches.
 @pytest.mark.slow
 @pytest.mark.heavy
+@pytest.mark.parametrize("trained", ["parallel"], indirect=True)  # the other kinds not built
 def test_parallel_slot_cycle_equals_every_token_cycle(trained):
   """Parallel heads decode with heads 2..k's full block at the read slot alone (their keys and
   values written at every window token): the same drafts as every head block over every window
@@ -223,8 +224,7 @@ def test_parallel_slot_cycle_equals_every_token_cycle(trained):
   from experiments.parallel_cycle import every_token
   from mtp_jax.model import unrolled
   args, params = trained
-  if args.head_kind != "parallel":
-    pytest.skip("the slot cycle is the parallel heads'")
+  assert args.head_kind == "parallel"  # the slot cycle is the parallel heads'
   assert unrolled(params, args)[1].parallel_stack == "split"
   kw = dict(k=4, max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   runs = [dict(), dict(tree="2,2,1"), dict(temperature=1.0, seed=3),

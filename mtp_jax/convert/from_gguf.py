@@ -111,12 +111,8 @@ def one_reader(path: str, reader):
 
 def read_gguf(path: str) -> tuple[dict, dict[str, np.ndarray]]:
   """(config.json fields as transformers reads them from the metadata, HF-named float32
-  tensors) of the GGUF file `path` (checked with `open_gguf` first)."""
-  with one_reader(path, open_gguf(path)):
-    return _read_checked(path)
-
-
-def _read_checked(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+  tensors) of the GGUF file `path`, read inside `one_reader(path, open_gguf(path))` (checked
+  first, opened once), as `import_gguf` does."""
   import torch
   from transformers import AutoConfig
   from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -157,7 +153,7 @@ def import_gguf(path: str, out: str, *, n_future: int, heads: str, init_heads: s
   check_out(out)
   from_hf.check_init_heads(init_heads)
   with one_reader(path, open_gguf(path)), tempfile.TemporaryDirectory() as tmp:
-    hf, tensors = _read_checked(path)
+    hf, tensors = read_gguf(path)
     tok = tokenizer or save_tokenizer(path, tmp)
     try:
       return from_hf.import_source(hf, TensorDict(tensors), out, source=path, n_future=n_future,

@@ -232,6 +232,16 @@ def call_speedup(a: float, t1: float, t: float, n: int = 0, f1: float = 0.0,
   return (f1 + n * t1) / (f + n / a * t)
 
 
+def table_row(cand, a: float, a_mean: float, t1: float, t: float, max_new_tokens: int = 0,
+              f1: float = 0.0, f: float = 0.0) -> dict:
+  """A candidate's line in auto's table: its a (predicted, and the slowest row's mean), its
+  seconds (T1, T; the calls' fixed parts F1, F) and the S they predict (`call_speedup`)."""
+  return {"tree": cand.name, "heads": cand.k, "nodes": cand.n_nodes, "a_predicted": a,
+          "a_mean": a_mean, "forward_1_seconds": t1, "forward_seconds": t,
+          "fixed_1_seconds": f1, "fixed_seconds": f,
+          "S_predicted": call_speedup(a, t1, t, max_new_tokens, f1, f)}
+
+
 def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *,
            max_new_tokens: int = 0, fixed=None) -> dict:
   """The candidate of highest predicted S (`call_speedup`); seconds(tree) -> (T1, T)
@@ -243,12 +253,8 @@ def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *,
   table = []
   for cand in cands:
     a = predict_a(hist_BxN, probe, cand, max_new_tokens=max_new_tokens)
-    t1, t = seconds(cand)
-    f1, f = fixed(cand) if fixed else (0.0, 0.0)
-    table.append({"tree": cand.name, "heads": cand.k, "nodes": cand.n_nodes, "a_predicted": a,
-                  "a_mean": predict_a(hist_BxN, probe, cand), "forward_1_seconds": t1,
-                  "forward_seconds": t, "fixed_1_seconds": f1, "fixed_seconds": f,
-                  "S_predicted": call_speedup(a, t1, t, max_new_tokens, f1, f)})
+    table.append(table_row(cand, a, predict_a(hist_BxN, probe, cand), *seconds(cand),
+                           max_new_tokens, *(fixed(cand) if fixed else (0.0, 0.0))))
   best = max(range(len(cands)), key=lambda i: table[i]["S_predicted"])
   if table[best]["S_predicted"] < MIN_GAIN:
     best = 0  # plain decoding

@@ -130,9 +130,10 @@ def exact_threshold(z_xV, sp: Settings) -> jax.Array:
                                          >= n_x), lambda: key_xV.min(-1))
   in_k_xV = key_xV >= kth_x[..., None]
   p_xV = jax.nn.softmax(jnp.where(in_k_xV, z_xV, -jnp.inf), axis=-1)
-  nucleus_x = _largest_key(
-      key_xV, lambda t: jnp.sum(jnp.where(key_xV >= t[..., None], p_xV, 0.0), -1) >= sp.top_p)
-  t_x = jnp.where(sp.top_p < 1, jnp.maximum(nucleus_x, kth_x), kth_x)
+  t_x = jax.lax.cond(  # top_p 1: the top-k set (no halving)
+      sp.top_p < 1, lambda: jnp.maximum(kth_x, _largest_key(
+          key_xV, lambda t: jnp.sum(jnp.where(key_xV >= t[..., None], p_xV, 0.0), -1)
+          >= sp.top_p)), lambda: kth_x)
   return jnp.min(jnp.where(key_xV >= t_x[..., None], z_xV, jnp.inf), -1, keepdims=True)
 
 

@@ -217,8 +217,7 @@ class Session:
     picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, **pessimism)
     best = picked.pop("tree")
     if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
-      picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism,
-                                   plain_fixed=plain_fixed, **kw)
+      picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism, **kw)
     spent = time.perf_counter() - t0
     label = ("plain decoding" if best.k == 1 else f"tree {best.name}" if tree_lib.is_tree(best)
              else f"heads 1..{best.k}")
@@ -234,7 +233,7 @@ class Session:
                 measured_seconds=self.measured_seconds - measured0,  # 0: all from the cache
                 cache=self.disk.root if self.disk else None)
 
-  def _dynamic(self, prompts, picked, best, *, k, pessimism, plain_fixed, **kw):
+  def _dynamic(self, prompts, picked, best, *, k, pessimism, **kw):
     """`tree=auto`'s dynamic candidate: dynamic:N over heads 2..k, N the node count of the static
     tree of highest predicted S; its a from a probe of its own (the slowest row's, smoothed as
     `costmodel.predict_a` does, from its histogram by depth), its T from its window's timed
@@ -251,12 +250,9 @@ class Session:
                            context=width + kw["max_new_tokens"] // 2)
     a = costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k), **pessimism)
     T = t[dyn] * max(1.0, cycle_seconds / t[dyn])
-    row = {"tree": dyn.name, "heads": dyn.k, "nodes": dyn.nodes, "a_predicted": a,
-           "a_mean": costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k)),
-           "forward_1_seconds": top["forward_1_seconds"], "forward_seconds": T,
-           "fixed_1_seconds": plain_fixed, "fixed_seconds": fixed,
-           "S_predicted": costmodel.call_speedup(a, top["forward_1_seconds"], T,
-                                                 kw["max_new_tokens"], plain_fixed, fixed)}
+    row = costmodel.table_row(
+        dyn, a, costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k)),
+        top["forward_1_seconds"], T, kw["max_new_tokens"], top["fixed_1_seconds"], fixed)
     picked = dict(picked, table=picked["table"] + [row])
     if row["S_predicted"] >= max(costmodel.MIN_GAIN, picked["S_predicted"]):
       return dict(picked, S_predicted=row["S_predicted"], a_predicted=a), dyn

@@ -39,7 +39,7 @@ PYTEST_WORKERS ?= 2
 lint: install
 	$(BIN)/ruff check .
 
-# Tiers (pytest.ini): `make test` runs every test but the heavy tier (~11 minutes on 2 cores);
+# Tiers (pytest.ini): `make test` runs every test but the heavy tier (~12 minutes on 2 cores);
 # `make test-heavy` runs the heavy tier (long end-to-end repeats, each mark with its reason), the
 # TPU stage and the real Slurm; CI (.ci/run) runs both. `make test-fast` is the edit-test loop, the
 # unit tests without the slow ones and tests/integration (~2 minutes).

@@ -253,8 +253,10 @@ def maybe_initialize_distributed(mesh: ml_collections.ConfigDict) -> bool:
   address (config.mesh.coordinator_address or JAX_COORDINATOR_ADDRESS), more than one process
   announced by Slurm (srun -n: SLURM_STEP_NUM_TASKS), Open MPI or JAX_NUM_PROCESSES, or TPU
   chips on the PCI bus; otherwise a plain single process (a one-host TPU VM gets a one-process
-  cluster, which changes nothing). The coordinator, process count and id come from config.mesh
-  or the JAX_* variables (`cluster_from`), else JAX finds them (Slurm, Open MPI, Cloud TPU).
+  cluster, which changes nothing), or on several CPU devices a cluster of this process alone, so
+  that its collectives sum in the order a run of several processes' do (`_one_process_cluster`).
+  The coordinator, process count and id come from config.mesh or the JAX_* variables
+  (`cluster_from`), else JAX finds them (Slurm, Open MPI, Cloud TPU).
 
   `mesh.distributed_timeout_s` bounds the waits: for every process to arrive at start-up
   (past it: one line saying so and exit status 5, not a hang), for a peer's heartbeat during
@@ -269,7 +271,9 @@ def maybe_initialize_distributed(mesh: ml_collections.ConfigDict) -> bool:
   cluster = cluster_from(mesh)
   if mesh.distributed == "auto" and not (cluster.coordinator_address or
                                          launched_processes() > 1 or _on_cloud_tpu()):
-    return False
+    if cpu_device_count() < 2 or _backends_started():
+      return False
+    cluster = _one_process_cluster()
   timeout = int(mesh.distributed_timeout_s)
   # JAX's own deadline ends the process with a C++ stack trace; this one says what happened
   # first, in one line, and leaves JAX's a few seconds later as a fallback.
@@ -294,6 +298,41 @@ def maybe_initialize_distributed(mesh: ml_collections.ConfigDict) -> bool:
 # run (PeerLost, or an error that `lost_peer` recognises).
 EXIT_PEERS_MISSING = 5
 EXIT_PEER_LOST = 6
+
+
+def cpu_device_count() -> int:
+  """The CPU devices this process will have, read before JAX starts: jax_num_cpu_devices, else
+  XLA_FLAGS' --xla_force_host_platform_device_count, else 1."""
+  n = int(jax.config.jax_num_cpu_devices)
+  if n > 0:
+    return n
+  flag = "--xla_force_host_platform_device_count="
+  counts = [f[len(flag):] for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(flag)]
+  return int(counts[-1]) if counts and counts[-1].isdigit() else 1
+
+
+def _backends_started() -> bool:
+  """Whether JAX has started a backend in this process (jax.distributed must come before; a
+  notebook that ran JAX before calling train keeps XLA's in-process collectives)."""
+  try:
+    from jax._src import xla_bridge
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):  # not in this JAX: do not risk it
+    return True
+
+
+def _one_process_cluster() -> Cluster:
+  """A cluster of this process alone, its coordinator on a free localhost port. On several CPU
+  devices a run starts one, so that its collectives go through gloo, as a run of P processes'
+  do: XLA's in-process collectives sum a float over 4 devices as ((x0 + x1) + x2) + x3, gloo in
+  an order of its own (a ring: each chunk from another device), and a run's bits would then
+  depend on how many processes hold its devices. Through gloo they do not (tests/test_multihost
+  .py; experiments/reduction_order.py shows both orders)."""
+  import socket
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  return Cluster(f"127.0.0.1:{port}", 1, 0)
 
 
 def _never_arrived(cluster: Cluster, timeout: int) -> None:

@@ -121,6 +121,32 @@ def test_every_task_per_gpu_takes_device_0_and_shared_gpus_are_split(launch, mon
   assert sorted(shared) == list(range(8))
 
 
+@pytest.mark.parametrize("flags,backends,started", [
+    ("--xla_force_host_platform_device_count=4", False, True),
+    ("--xla_force_host_platform_device_count=4", True, False),
+    ("--xla_force_host_platform_device_count=1", False, False), ("", False, False)])
+def test_one_process_on_several_cpu_devices_starts_a_cluster_of_itself(
+    launch, monkeypatch, flags, backends, started):
+  """With no launcher, "auto" on several CPU devices starts a one-process cluster on a free
+  localhost port (its collectives then sum through gloo, in the order a run of several processes'
+  do: tests/integration/test_multihost.py checks the bits); on one device, or once JAX has
+  started its backends (too late for jax.distributed), it starts nothing."""
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setattr(distributed, "_backends_started", lambda: backends)
+  monkeypatch.setenv("XLA_FLAGS", flags)
+  mesh = config_lib.base_config().mesh
+  assert mesh.distributed == "auto"
+  assert distributed.maybe_initialize_distributed(mesh) is started
+  if started:
+    (kw,) = calls
+    host, port = kw["coordinator_address"].split(":")
+    assert (host, kw["num_processes"], kw["process_id"]) == ("127.0.0.1", 1, 0)
+    assert 0 < int(port) < 65536
+  else:
+    assert calls == []
+
+
 def test_distributed_off_does_nothing(make_config):
   c = make_config()
   c.mesh.distributed = "off"

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -246,3 +247,20 @@ def test_tpu_tables_main(capsys):
   text = capsys.readouterr().out
   assert "| config | target | compiler | n_future |" in text
   assert "| tiny | 1 | 16 | 3.6 | 7.3 | 2.02 | 2.98 | 1.47 |" in text
+
+
+def test_reduction_order(tmp_path):
+  """experiments/reduction_order.py at one size: gloo in one process adds exactly as gloo across
+  2 processes (why distributed.py starts a one-process cluster on several CPU devices), the
+  2-device sums agree in all three arms, and XLA's in-process all-reduce over 4 devices adds in
+  device order, which gloo's does not (were they ever equal, the cluster would be unneeded)."""
+  out = tmp_path / "order.json"
+  subprocess.run([sys.executable, os.path.join(REPO, "experiments",
+                  "reduction_order.py"), "--sizes", "8", "--json", str(out)],
+                 check=True, capture_output=True, cwd=REPO, timeout=300)
+  r = _json(out)
+  assert r["gloo_one_equals_gloo_two"] == r["collectives"]
+  assert {"all_reduce_2_data/8", "all_reduce_2_fsdp/8"} <= set(r["in_process_equals_gloo_two"])
+  assert r["arms"]["in_process"]["all_reduce_4/8"]["equal_device_order"] == 1.0
+  assert "all_reduce_4/8" not in r["in_process_equals_gloo_two"]
+  assert r["machine"]["cpu_model"]

@@ -189,6 +189,50 @@ def tokens_2d(fn):
   return wrapped
 
 
+def _axes(entry) -> tuple:
+  """A PartitionSpec entry as a tuple of mesh axis names (None: no axis)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def embed_lookup(embedding_VxD, tokens_BxS, dtype) -> jax.Array:
+  """Rows of the embedding table for `tokens_BxS`, cast to `dtype` first as nn.Embed does.
+
+  Inside `sharding.activation_rules` the lookup is shard_mapped, so the compiled step never
+  reshards the rows: each device all-gathers the table's `embed` shards (as FSDP gathers a
+  weight before use) and takes its own batch rows from its `vocab` shard (a masked take summed
+  over the vocab's mesh axes; one term of each sum is nonzero, so it is exact). The gradient is
+  the collectives' transposes: a reduce-scatter over the embed axes, then a sum over the batch
+  axes the table is replicated on. Given the bare take, GSPMD finds no way from the table's rows
+  (D split over fsdp) to the residual stream's (rows split over the batch) and replicates the
+  rows' cotangent whole on every device ("Involuntary full rematerialization";
+  tests/sharding_check.py checks the train step's log). One device, and rows that do not divide
+  over the batch axes (a decode batch of 1), take the bare lookup."""
+  active = sharding.active_spec(("vocab", "embed"))
+  tokens_spec = None if active is None else sharding.active_spec(("batch", "seq"))[1]
+  if active is None or active[0].size == 1 or any(
+      dim % math.prod(active[0].shape[ax] for ax in _axes(entry))
+      for dim, entry in zip(tokens_BxS.shape, tokens_spec)):
+    return jnp.take(jnp.asarray(embedding_VxD, dtype), tokens_BxS, axis=0)
+  mesh, table_spec = active
+  vocab_axes, embed_axes = _axes(table_spec[0]), _axes(table_spec[1])
+
+  def local(table_VxD, tokens_BxS):
+    table_VxD = table_VxD.astype(dtype)
+    if embed_axes:
+      table_VxD = jax.lax.all_gather(table_VxD, embed_axes, axis=1, tiled=True)
+    if not vocab_axes:
+      return jnp.take(table_VxD, tokens_BxS, axis=0)
+    rows = table_VxD.shape[0]
+    ids_BxS = tokens_BxS - jax.lax.axis_index(vocab_axes) * rows
+    inside_BxS = (ids_BxS >= 0) & (ids_BxS < rows)
+    x_BxSxD = jnp.take(table_VxD, jnp.where(inside_BxS, ids_BxS, 0), axis=0)
+    return jax.lax.psum(jnp.where(inside_BxS[..., None], x_BxSxD, 0), vocab_axes)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(table_spec, tokens_spec),
+                       out_specs=jax.sharding.PartitionSpec(*tokens_spec, None))(
+                           embedding_VxD, tokens_BxS)
+
+
 def take_at(x_BxSx_, at_B):
   """x[b, at_B[b]] for every row b, the sequence axis kept: [B, 1, ...]."""
   return jnp.take_along_axis(x_BxSx_, at_B.reshape((-1, 1) + (1,) * (x_BxSx_.ndim - 2)), axis=1)

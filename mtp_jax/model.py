@@ -23,7 +23,7 @@ import ml_collections
 from mtp_jax import backends
 from mtp_jax import heads
 from mtp_jax.model_args import ModelArgs
-from mtp_jax.layers import Block, init_cache, norm_param, remat
+from mtp_jax.layers import Block, embed_lookup, init_cache, norm_param, remat
 
 
 def trunk_unroll(a: ModelArgs) -> int:
@@ -94,7 +94,10 @@ class MTPModel(nn.Module):
     embed = nn.Embed(a.padded_vocab, a.d_model, dtype=a.dtype, name="embed",
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(0.02), ("vocab", "embed")))
-    x_BxSxD = embed(tokens_BxS) if embeddings_BxSxD is None else embeddings_BxSxD
+    if embeddings_BxSxD is None:
+      x_BxSxD = embed_lookup(embed.embedding, tokens_BxS, a.dtype)
+    else:
+      x_BxSxD = embeddings_BxSxD
     if phase not in heads.PHASES:
       raise ValueError(f"phase: got {phase!r}, allowed: {heads.PHASES}")
     if (phase == "rest") != (trunk_states_BxSxD is not None and cache is not None):
@@ -133,7 +136,7 @@ def trunk_states(params, args: ModelArgs, tokens_BxS, segment_ids_BxS=None) -> j
   """The trunk's output z_BxSxD for `tokens_BxS` (what `MTPModel` passes its heads), to be
   given back as `trunk_states_BxSxD`: heads trained on a frozen trunk compute it once."""
   B, S = tokens_BxS.shape
-  x_BxSxD = jnp.take(params["embed"]["embedding"], tokens_BxS, axis=0).astype(args.dtype)
+  x_BxSxD = embed_lookup(params["embed"]["embedding"], tokens_BxS, args.dtype)
   positions_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
   if args.n_trunk == 0:
     return x_BxSxD

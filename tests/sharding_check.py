@@ -23,6 +23,8 @@ os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_COUNT)]
     + [f"{_COUNT}={N_DEVICES}"])
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Off: a train step read from the cache would not log XLA's warnings (xla_log.compile_logged).
+os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import functools  # noqa: E402
@@ -31,6 +33,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 from conftest import random_params  # noqa: E402  (adds the fast-compile flags, imports jax)
+import xla_log  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,6 +48,7 @@ from mtp_jax.checkpoint import Checkpointer  # noqa: E402
 from mtp_jax.model import build_model  # noqa: E402
 
 KINDS = ("parallel", "projection", "sequential")
+HEAVY_CHECKS = ("loss_grads_one_axis", "byte_vocab")  # run when named (the heavy tier)
 # f32; ATOL is a floor for entries near 0, where shards summed in another order leave ~5e-7.
 RTOL, ATOL = 1e-5, 1e-6
 PAD, EOS = 62, 63
@@ -234,9 +238,10 @@ def check_bytes_and_checkpoint(results, workdir):
 
 
 def check_train_step(results):
-  """One real train step (optimizer update, donated state) on (2,2,2) against one device."""
+  """A train step on (2,2,2) against one device; XLA's log of its partitioning (no remat)."""
   batch = make_batch(1)
-  outs = {}
+  outs, remat = {}, {"control": xla_log.remat_control(shard_lib.make_mesh(make_config(
+      mesh=(2, 2, 2))))}
   for m in ((1, 1, 1), (2, 2, 2)):
     cfg = make_config("parallel", mesh=m)
     model, tx = build_model(cfg), optim_lib.make_optimizer(cfg)
@@ -251,10 +256,14 @@ def check_train_step(results):
     with shard_lib.activation_rules(mesh, cfg):
       step = jax.jit(train_lib.make_train_step(model, tx, cfg), in_shardings=(state_sh, batch_sh),
                      out_shardings=(state_sh, None), donate_argnums=0)
-      state, metrics = step(state, shard_lib.shard_batch(batch, batch_sh))
+      args = (state, shard_lib.shard_batch(batch, batch_sh))
+      compiled, remat[m] = xla_log.compile_logged(step.lower(*args))
+      state, metrics = compiled(*args)
     outs[m] = jax.device_get((state.params, {k: metrics[k] for k in ("loss", "grad_norm")}))
   results["train_step_2,2,2"] = {"params_cmp": compare(outs[(2, 2, 2)][0], outs[(1, 1, 1)][0]),
-                                 "metrics_cmp": compare(outs[(2, 2, 2)][1], outs[(1, 1, 1)][1])}
+                                 "metrics_cmp": compare(outs[(2, 2, 2)][1], outs[(1, 1, 1)][1]),
+                                 "remat_warnings": xla_log.remat_lines(remat[(2, 2, 2)]),
+                                 "remat_control": remat["control"]}
   print("train step", results["train_step_2,2,2"], flush=True)
 
 
@@ -328,11 +337,11 @@ def check_byte_vocab(results):
   print("decode vocab259", results["decode"]["sequential/2,2,2/vocab259"], flush=True)
 
 
-def _mesh_fields(**fields):
-  mesh = make_config().mesh
-  for k, v in fields.items():
-    setattr(mesh, k, v)
-  return mesh
+def _config(mesh=(1, 1, 1), **fields):
+  """make_config(mesh=mesh) with fields set by dotted name: _config(**{"train.batch_size": 12})."""
+  c = make_config(mesh=mesh)
+  c.update_from_flattened_dict(fields)
+  return c
 
 
 def check_errors(results):
@@ -341,11 +350,13 @@ def check_errors(results):
       "mesh_2,2,2_on_4_devices": lambda: shard_lib.make_mesh(
           make_config(mesh=(2, 2, 2)), jax.devices()[:4]),
       "mesh_3,-1,1_on_8_devices": lambda: shard_lib.make_mesh(make_config(mesh=(3, -1, 1))),
-      "vocab_61_on_tensor_2": _vocab61_shardings,
+      "vocab_61_on_tensor_2": lambda: _shardings(_config(  # unpadded
+          (2, 2, 2), **{"model.vocab_size": 61, "model.vocab_multiple": 1})),
       "batch_12_on_8_rows": lambda: shard_lib.check_batch(
-          _batch12(), shard_lib.make_mesh(make_config(mesh=(8, 1, 1)))),
+          _config((8, 1, 1), **{"train.batch_size": 12}),
+          shard_lib.make_mesh(make_config(mesh=(8, 1, 1)))),
       "distributed_bad_mode": lambda: distributed.maybe_initialize_distributed(
-          _mesh_fields(distributed="maybe")),
+          _config(**{"mesh.distributed": "maybe"}).mesh),
   }.items():
     try:
       fn()
@@ -353,25 +364,14 @@ def check_errors(results):
     except ValueError as e:
       errs[name] = str(e)
   errs["distributed_off_returns"] = distributed.maybe_initialize_distributed(
-      _mesh_fields(distributed="off"))
+      _config(**{"mesh.distributed": "off"}).mesh)
   results["errors"] = errs
   print("errors", errs, flush=True)
 
 
-def _vocab61_shardings():
-  c = make_config(mesh=(2, 2, 2))
-  c.model.vocab_size, c.model.vocab_multiple = 61, 1  # unpadded
+def _shardings(c):
   return train_lib.state_shardings(build_model(c), optim_lib.make_optimizer(c), c,
                                    shard_lib.make_mesh(c))
-
-
-def _batch12():
-  c = make_config(mesh=(8, 1, 1))
-  c.train.batch_size = 12
-  return c
-
-
-HEAVY_CHECKS = ("loss_grads_one_axis", "byte_vocab")  # run when named (the heavy tier)
 
 
 def main(argv):

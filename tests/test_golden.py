@@ -38,8 +38,12 @@ GOLDEN = {
         "projection": "594f7ea34c7466e83b5719d619dae2c958fb4abc7bc967ddf193307145b87792",
         "sequential": "79e2c2752025c641d4fb4c0e8f043633636ebbe7a221e9ae907fcea41fa04dc8",
         "heads_only": "9645315bcb10da8dccbdde4820039b17d34ef8e5763eef6d833d4753120749ab",
-        # tests/integration/test_multihost.py's run of 2 processes x 2 devices (= 1 x 4)
-        "two_processes": "73a91c7f60f308a6433444c819b5c6edcdaafe68f56c4c096b112182def8040b",
+        # tests/integration/test_multihost.py's run of 2 processes x 2 devices (= 1 x 4).
+        # Re-pinned when the embedding lookup was shard_mapped (layers.embed_lookup: its
+        # gradient reduce-scatters over fsdp where XLA replicated it whole): its sums round
+        # otherwise. One process on 4 CPU devices now sums through gloo as 2 processes do, so
+        # it gives this hash by construction (before, where the two orders' roundings agreed).
+        "two_processes": "eefff0f81da4a67f2f80f7998d20baf4d1801cccf860bfd3cd3cd52b7e810532",
     },
 }
 RUNS = ("parallel", "projection", "sequential", "heads_only")

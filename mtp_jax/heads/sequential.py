@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.heads.base import Drafting, HeadKind, Shared, head_logits, register
-from mtp_jax.layers import Block, RMSNorm, dense_init, dot_general, remat, rms_norm, tokens_2d
+from mtp_jax.layers import (Block, RMSNorm, dense_init, dot_general, embed_lookup, remat, rms_norm,
+                            tokens_2d)
 from mtp_jax.model_args import ModelArgs
 
 class Depth(nn.Module):
@@ -34,7 +35,7 @@ class Depth(nn.Module):
     if s.decoding:
       known_BxS, u_B = emb_BxSxD
       tok_BxS = jnp.where(known_BxS >= 0, known_BxS, tok_BxS)
-      emb_BxSxD = jnp.take(s.embed_VxD, tok_BxS, axis=0).astype(a.dtype)
+      emb_BxSxD = embed_lookup(s.embed_VxD, tok_BxS, a.dtype)
     e = RMSNorm(a.norm_eps, a.dtype, name="enorm")(emb_BxSxD)
     h = RMSNorm(a.norm_eps, a.dtype, name="hnorm")(h_prev_BxSxD)
     cat = [e, h] if a.seq_concat == "emb_first" else [h, e]

@@ -202,6 +202,17 @@ class Checkpointer:
     """The newest step on disk or being saved, unchecked; None when there is none."""
     return self._mgr.latest_step()
 
+  def saved_data_state(self) -> tuple[int, dict] | None:
+    """(step, the data iterator's state) of the newest step, unchecked (process 0's file, the
+    same in every process); None when there is no step or no readable state."""
+    step = self._mgr.latest_step()
+    saved = [] if step is None else sorted(
+        (self.directory / str(step) / DATA_ITER).glob("process_0-of-*.json"))
+    try:
+      return (step, json.loads(saved[0].read_text())) if saved else None
+    except (OSError, ValueError):
+      return None
+
   def saved_keys(self) -> set[str] | None:
     """Top-level keys of the newest step's saved state, unchecked; None when there is no step or
     its metadata does not read. {"params"} marks a params-only checkpoint (mtp_jax.convert)."""

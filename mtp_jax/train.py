@@ -169,7 +169,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # This process's rows of each batch; token shards read only those (data/rows.py), other
   # corpora pack the whole global batch in every process and hand the devices their rows.
   rows = shard_lib.local_rows(config.train.batch_size, batch_sh)
-  packs_all = rows_lib.unsupported(config.data)
+  ckpt = Checkpointer(workdir_lib.checkpoints_dir(workdir), keep=config.train.keep_checkpoints,
+                      async_save=config.train.async_checkpoints, timeout_s=timeout)
+  packs_all = rows_lib.unsupported_on_resume(config.data, ckpt.saved_data_state())
   if not packs_all:
     train_it = rows_lib.make_local_iterator(config, rows)
   elif n_processes > 1 and primary:
@@ -179,8 +181,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   whole = bool(packs_all) or rows == [(0, config.train.batch_size)]  # the batch is all here
   put = (lambda b: shard_lib.shard_batch(b, batch_sh)) if whole else (
       lambda b: rows_lib.put_local_rows(b, batch_sh, rows, config.train.batch_size))
-  ckpt = Checkpointer(workdir_lib.checkpoints_dir(workdir), keep=config.train.keep_checkpoints,
-                      async_save=config.train.async_checkpoints, timeout_s=timeout)
   restored = ckpt.restore_latest(training.abstract_state(), train_it)
   if restored is None and config.train.init_from:  # a new run from imported or trained params
     state = workdir_lib.init_state_from(model, training.tx, config, mesh, config.train.init_from)

@@ -225,6 +225,34 @@ def test_prepare_train_stop_resume_matches_straight_run(root, prepared, tmp_path
   assert resumed["params_sha256"] == straight["params_sha256"]
 
 
+# Heavy tier: four runs (~40 s); which iterator a resume takes is test_rows.py's in make test
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_a_checkpoint_of_the_packing_iterator_resumes_on_shards_read_by_rows(root, prepared,
+                                                                             tmp_path):
+  """A run stopped on shards without lengths files (as prepare wrote them before reading by
+  rows) resumes once they are there, packing on, and ends where a straight run ends; a run
+  read by rows, resumed where it would pack, stops with one line and keeps its checkpoint."""
+  old = tmp_path / "old"
+  shutil.copytree(prepared[0], old)
+  for f in old.glob("*" + corpora.LENGTHS_SUFFIX):
+    f.unlink()
+  shards = lambda d: (f"--config.data.files={d}/tokens-*.array_record",
+                      "--config.data.corpus=array_record")
+  straight = _train(root, tmp_path / "straight", *shards(prepared[0]))
+  assert straight["reads_own_rows"]
+  assert _train(root, tmp_path / "run", *shards(old), "--config.train.stop_at=3")["step"] == 3
+  resumed = _train(root, tmp_path / "run", *shards(prepared[0]))
+  assert (resumed["step"], resumed["reads_own_rows"]) == (6, False)
+  assert resumed["params_sha256"] == straight["params_sha256"]
+  p = subprocess.run(_train_cmd(tmp_path / "straight", "--config.train.steps=9", *shards(old)),
+                     env=_env(root), capture_output=True, text=True, timeout=600)
+  assert p.returncode == 2, p.stderr[-2000:]
+  assert p.stderr.strip().splitlines()[-1].startswith(
+      "error: config.data: checkpoint step 6 read the token shards by rows"), p.stderr[-2000:]
+  assert sorted(os.listdir(tmp_path / "straight" / "checkpoints")) == ["3", "6"]
+
+
 def _spm_shards(root, jsonl) -> str:
   """The same documents tokenized by a small SentencePiece model."""
   model = tokenizers.train_sentencepiece(jsonl[1] * 4, str(root / "spm" / "tiny.model"), 300)

@@ -88,6 +88,22 @@ def test_corpora_that_pack_while_training_are_not_read_by_rows(shards, tmp_path)
   assert "no record lengths" in rows.unsupported(_config(str(old)).data)
 
 
+def test_a_resumed_run_keeps_the_iterator_its_checkpoint_was_saved_by(shards):
+  """A checkpoint of the packing iterator (saved before the shards had lengths files) resumes
+  packing, which restores it exactly; one read by rows, in a config that would pack, is one
+  line naming config.data (the run would move the step aside as unusable otherwise)."""
+  by_rows, packing = _config(shards), _config(shards, whole_docs=True)
+  assert rows.unsupported_on_resume(by_rows.data, None) == ""
+  assert rows.unsupported_on_resume(by_rows.data, (3, {"next_batch": 3})) == ""
+  saved = (3, pipeline.make_iterator(by_rows, "train").get_state())
+  assert "checkpoint step 3 holds the packing iterator's state" in rows.unsupported_on_resume(
+      by_rows.data, saved)
+  assert "whole_docs" in rows.unsupported_on_resume(packing.data, saved)
+  with pytest.raises(ValueError, match=r"^config.data: checkpoint step 3 read the token shards "
+                     r"by rows, but this run would pack the whole batch \(data.whole_docs"):
+    rows.unsupported_on_resume(packing.data, (3, {"next_batch": 3}))
+
+
 def test_even_spans_split_the_batch_in_process_order():
   assert [rows.even_spans(8, p, 4) for p in range(4)] == [[(0, 2)], [(2, 4)], [(4, 6)],
                                                           [(6, 8)]]

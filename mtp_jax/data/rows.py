@@ -53,6 +53,28 @@ def unsupported(data_config) -> str:
   return ""
 
 
+def unsupported_on_resume(data_config, saved: tuple[int, dict] | None) -> str:
+  """`unsupported`, and for a resumed run whose checkpoint (`saved`: step and data state) the
+  packing iterator wrote (a run before its shards had lengths files, or before this module):
+  that it goes on packing, which restores it exactly. ValueError, naming config.data, for a
+  checkpoint read by rows that this config would pack: its state is a batch index the packing
+  iterator cannot take, and the run would otherwise move the step aside as unusable."""
+  why = unsupported(data_config)
+  if saved is None:
+    return why
+  step, state = saved
+  by_rows = isinstance(state, dict) and set(state) == {"next_batch"}
+  if by_rows and why:
+    raise ValueError(
+        f"config.data: checkpoint step {step} read the token shards by rows, but this run would "
+        f"pack the whole batch ({why}); resume with data.corpus array_record, the shards' "
+        "lengths files, data.whole_docs False and data.worker_count 0")
+  if not by_rows and not why:
+    return (f"checkpoint step {step} holds the packing iterator's state (saved by a run that "
+            "packed the batch); packing restores it exactly")
+  return why
+
+
 def even_spans(batch_size: int, process_index: int, process_count: int) -> list[tuple[int, int]]:
   """The rows [(start, stop)] of a batch that process `process_index` of `process_count` holds
   when the batch is split evenly in process order (as `sharding.batch_sharding` splits it over

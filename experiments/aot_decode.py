@@ -1,10 +1,14 @@
-"""The self-speculative decode cost model on a TPU that is not here: XLA:TPU's estimates of T1
-and Tk, and the speed-up S they predict with acceptances measured on CPU-trained models. On a
-GPU target (`--target gpu:h200`) XLA:GPU compiles the same forwards, but its cost_analysis()
-gives nothing: the record keeps each forward's compiled memory, and T1, Tk and S are null.
+"""The self-speculative decode cost model on a TPU or GPU that is not here: XLA:TPU's estimates
+of T1 and Tk (on a GPU, whose cost_analysis() gives nothing, a model of ours from what XLA:GPU
+compiled), and the speed-up S they predict with acceptances measured on CPU-trained models.
 
     python experiments/bench_accel.py --target tpu:v5e:2x2 [--sizes 125m,350m,1.3b] \\
         [--acceptance experiments/results/bench_decode.json] --json OUT.json
+
+On a GPU target T1 and Tk come from a model of ours instead (`aot.gpu_step_seconds`): the
+kernels each forward launches, as XLA:GPU compiled it with every scan unrolled, at
+aot.GPU_LAUNCH_SECONDS each, plus its argument bytes (params, cache) at the memory bandwidth; the
+record also gives S from the bandwidth alone.
 
 (bench_accel.py hands `--target` here.) For each size (bench_accel.SIZES: GPT-3 shapes from
 Llama blocks, 4 parallel heads) and batch 1 and 8, on one chip of the target: the same two
@@ -20,7 +24,6 @@ those a come from a small byte-level model, not from these shapes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -75,11 +78,16 @@ def forward_cost(model_args, k: int, batch: int, context: int, dtype, device) ->
                                              decoding=True), donate_argnums=1)
   i32 = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec()))
-  timed = device.platform == "tpu"  # XLA:GPU gives no cost: nothing to unroll the loops for
-  with jax.set_mesh(mesh), aot.unrolled_scans() if timed else contextlib.nullcontext():
+  timed = device.platform == "tpu"
+  # Every scan unrolled: XLA:TPU's cost counts a loop body once; on a GPU, the kernels counted
+  # must be those of one call.
+  with jax.set_mesh(mesh), aot.unrolled_scans():
     compiled = f.lower(on(p), on(cache), i32(toks), i32(pos)).compile(
         aot.cost_compiler_options(device))
   rec = aot.cost_record(compiled, device, jnp.dtype(dtype).name, None)
+  if device.platform == "gpu":  # gpu_step_seconds' inputs
+    rec["kernels"] = aot.gpu_kernels(compiled)
+    rec["argument_bytes"] = common.memory_record(compiled)["argument_bytes"]
   if timed and rec["optimal_seconds"] is None:
     raise ValueError(f"--target: XLA:TPU gave no time for the {k}-token forward "
                      f"(optimal_seconds {rec.get('optimal_seconds_invalid')})")
@@ -106,6 +114,18 @@ def estimate(target_text: str, sizes: list[str], make_config, k: int, dtype: str
       many = forward_cost(args, k, batch, context, jnp.dtype(dtype), device)
       a = accepted[batch]
       T1, Tk = one["optimal_seconds"], many["optimal_seconds"]
+      gpu = {}
+      if device.platform == "gpu":  # our model of the two programs, from what XLA:GPU compiled
+        T1, Tk = (aot.gpu_step_seconds(r["kernels"], r["argument_bytes"], device.device_kind)
+                  for r in (one, many))
+        bw1, bwk = (aot.gpu_step_seconds(0, r["argument_bytes"], device.device_kind)
+                    for r in (one, many))
+        gpu = {"kernels_1": one["kernels"], "kernels_k": many["kernels"],
+               "argument_bytes_1": one["argument_bytes"],
+               "argument_bytes_k": many["argument_bytes"],
+               "launch_seconds_assumed": aot.GPU_LAUNCH_SECONDS,
+               "Tk_over_T1_bandwidth_only": bwk / bw1,
+               "S_predicted_bandwidth_only": a["a_batch"] * bw1 / bwk}
       timed = T1 is not None and Tk is not None
       runs.append({
           "size": size, "batch": batch, "k": k, "context": context,
@@ -117,12 +137,15 @@ def estimate(target_text: str, sizes: list[str], make_config, k: int, dtype: str
           "compiler_bytes_1": one["compiler_bytes_accessed"],
           "compiler_bytes_k": many["compiler_bytes_accessed"],
           "while_loops": one["while_loops"] + many["while_loops"],
-          "compile_seconds": round(time.perf_counter() - t0, 1)})
+          **gpu, "compile_seconds": round(time.perf_counter() - t0, 1)})
       print(json.dumps(runs[-1]), flush=True)
   what = ("XLA:TPU cost_analysis optimal_seconds (the compiler's roofline estimate, every scan "
           "unrolled), not a measurement" if device.platform == "tpu" else
-          f"{aot.compiler_name(device)} memory_analysis of each forward; T1, Tk and S null: its "
-          "cost_analysis() gave no time")
+          f"not the compiler's time ({aot.compiler_name(device)}'s cost_analysis() gives none): "
+          "aot.gpu_step_seconds, a model of ours from each forward as XLA:GPU compiled it "
+          "(every scan unrolled): its kernels x launch_seconds_assumed + its argument bytes "
+          "(params, cache) at the device's memory bandwidth; *_bandwidth_only without the "
+          "launches; not a measurement")
   return {
       "target": target_text, "compiler": aot.compiler_name(device),
       "compiler_version": aot.compiler_version(device),

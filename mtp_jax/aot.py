@@ -293,6 +293,38 @@ def while_loops(compiled) -> int:
   return len(re.findall(r"= [^=\n]*\bwhile\(", compiled.as_text()))
 
 
+# Ops of a compiled XLA:GPU program that launch nothing: views, tuples and the program's inputs.
+_NO_KERNEL = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple"}
+
+# Host-side cost of one kernel launch by XLA:GPU's runtime, the figure `gpu_step_seconds`
+# assumes: NVIDIA quotes a few microseconds per launch; a measured value would replace it.
+GPU_LAUNCH_SECONDS = 3e-6
+
+
+def gpu_kernels(compiled) -> int:
+  """Kernels one call of a program compiled by XLA:GPU launches: the instructions of its entry
+  computation other than views, tuples and parameters (fusions, cuBLAS calls, copies). Only for
+  a program without while loops (`unrolled_scans`), whose bodies would run many times."""
+  text = compiled.as_text()
+  if while_loops(compiled):
+    raise ValueError("gpu_kernels: the program has while loops; compile it with unrolled_scans")
+  entry = text[text.index("\nENTRY"):]
+  # name = shape opcode(...): a tuple shape, "(f32[8]{0}, s8[4]{0})", holds spaces
+  ops = re.findall(r"^\s*(?:ROOT )?%?\S+ = (?:\([^()]*\)|\S+) ([a-z][a-z0-9\-]*)\(", entry,
+                   flags=re.M)
+  return sum(op not in _NO_KERNEL for op in ops)
+
+
+def gpu_step_seconds(kernels: int, bytes_read: int, device_kind: str,
+                     launch_seconds: float = GPU_LAUNCH_SECONDS) -> float:
+  """A model of a small program's time on a GPU, ours and not the compiler's (XLA:GPU's
+  cost_analysis gives none here): its kernels launched one after another at `launch_seconds`
+  each, plus `bytes_read` at the device's memory bandwidth (the GpuTargetConfig's)."""
+  bandwidth = next(info["memory_bandwidth"] for kind, info in GPUS.values()
+                   if kind == device_kind)
+  return kernels * launch_seconds + bytes_read / bandwidth
+
+
 def mosaic_calls(compiled) -> int:
   """Pallas TPU (Mosaic) kernels in a compiled program, e.g. the splash attention kernel."""
   return compiled.as_text().count('custom_call_target="tpu_custom_call"')

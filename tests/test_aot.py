@@ -105,3 +105,45 @@ def test_plan_memory_sizes_a_gpu_target_by_the_mesh(target, mesh, want):
   """plan_memory --target gpu:h200 --mesh fsdp=8: the mesh's 8 GPUs, one HGX host."""
   from experiments.plan_memory import gpus_from_mesh
   assert gpus_from_mesh(target, mesh) == want
+
+
+class _Compiled:
+  def __init__(self, text):
+    self._text = text
+
+  def as_text(self):
+    return self._text
+
+
+GPU_HLO = """HloModule jit_f
+%fused_computation (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %e = f32[8]{0} exponential(%p)
+}
+
+ENTRY %main (a: f32[8], b: f32[8]) -> (f32[8], f32[8]) {
+  %a = f32[8]{0} parameter(0)
+  %b = f32[8]{0} parameter(1)
+  %fusion = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_computation
+  %copy = f32[8]{0} copy(%b)
+  %bitcast = f32[2,4]{1,0} bitcast(%fusion)
+  %custom-call = (f32[8]{0}, s8[4]{0}) custom-call(%copy), custom_call_target="__cublas$gemm"
+  %get-tuple-element = f32[8]{0} get-tuple-element(%custom-call), index=0
+  ROOT %tuple = (f32[8]{0}, f32[8]{0}) tuple(%fusion, %get-tuple-element)
+}
+"""
+
+
+def test_gpu_kernels_and_step_model():
+  """The kernels of one call: the entry's fusions, copies and library calls, not its views,
+  tuples or parameters, nor the ops inside a fused computation; a program with a while loop is
+  refused (its body would run many times). The step model adds the launches to the bytes at
+  the target's bandwidth."""
+  assert aot.gpu_kernels(_Compiled(GPU_HLO)) == 3
+  looped = GPU_HLO.replace("%copy = f32[8]{0} copy(%b)", "%copy = f32[8]{0} while(%b), "
+                           "condition=%c, body=%d")
+  with pytest.raises(ValueError, match="while loops"):
+    aot.gpu_kernels(_Compiled(looped))
+  kind, info = aot.GPUS["h100"]
+  assert aot.gpu_step_seconds(10, info["memory_bandwidth"], kind, launch_seconds=1e-6) == (
+      pytest.approx(1 + 10e-6))

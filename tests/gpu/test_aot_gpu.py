@@ -12,6 +12,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import plan_small_7b, require
 
 from mtp_jax import aot, attention
@@ -95,3 +96,30 @@ def test_memory_analysis_is_per_gpu_on_a_node():
   compiled = jax.jit(lambda a: jnp.tanh(a) * 2).lower(x).compile()
   assert compiled.memory_analysis().argument_size_in_bytes == 8192 * 1024 * 2 // 8
   assert aot.compiler_name(devices[0]) == "XLA:GPU" and compiled.cost_analysis() is None
+
+
+def test_aot_decode_gpu_model_on_a_workdirs_shape(tmp_path, monkeypatch):
+  """`bench_accel.py --target gpu:h100 --workdir W`: XLA:GPU compiles the two forwards with every
+  scan unrolled; T1 and Tk are aot.gpu_step_seconds of their kernels and argument bytes (no
+  compiler time on a GPU), and S = a x T1 / Tk."""
+  from experiments import aot_decode, bench_accel
+  from mtp_jax.workdir import write_config
+  monkeypatch.setattr(aot_decode, "BATCHES", (1,))
+  c = bench_accel.make_config("tiny", 4, "float32", 1, [])
+  c.model.heads.kind = "sequential"
+  wd = tmp_path / "seq_wd"
+  wd.mkdir()
+  write_config(c, str(wd))
+  acc = tmp_path / "grid.json"
+  acc.write_text(json.dumps([{"batch": 1, "heads": 4, "prompt_len": 16, "mode": "greedy",
+                              "a": 1.3, "a_batch": 1.3, "step": 48}]))
+  rec = bench_accel.main(["--target", "gpu:h100", "--workdir", str(wd), "--acceptance",
+                          str(acc), "--acceptance_prompt_len", "16", "--context", "16"])
+  (r,) = rec["runs"]
+  assert r["while_loops"] == 0 and r["kernels_k"] > r["kernels_1"] > 10
+  assert r["T1_estimated"] == pytest.approx(aot.gpu_step_seconds(
+      r["kernels_1"], r["argument_bytes_1"], "NVIDIA H100 80GB HBM3"))
+  assert r["S_predicted"] == pytest.approx(1.3 * r["T1_estimated"] / r["Tk_estimated"])
+  assert r["S_predicted_bandwidth_only"] == pytest.approx(
+      1.3 * r["argument_bytes_1"] / r["argument_bytes_k"])
+  assert "not the compiler's time" in rec["what"]

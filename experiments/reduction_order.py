@@ -24,7 +24,6 @@ import hashlib
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -82,15 +81,10 @@ def describe(x, y) -> dict:
           "equal_pairs": float(np.mean(pairs == y)), "eighths": eighths}
 
 
-def free_address() -> str:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 def run_arm(arm: str, sizes: list[int]) -> dict:
   n = 2 if arm == "gloo_two_processes" else 1
-  address = free_address()
+  from mtp_jax import distributed  # not at the top: a worker sets JAX's variables first
+  address = distributed.free_local_address()
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
   procs = [subprocess.Popen(
       [sys.executable, os.path.abspath(__file__), "--worker", arm, "--process_id", str(i),

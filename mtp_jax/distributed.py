@@ -328,11 +328,15 @@ def _one_process_cluster() -> Cluster:
   an order of its own (a ring: each chunk from another device), and a run's bits would then
   depend on how many processes hold its devices. Through gloo they do not (tests/test_multihost
   .py; experiments/reduction_order.py shows both orders)."""
+  return Cluster(free_local_address(), 1, 0)
+
+
+def free_local_address() -> str:
+  """"127.0.0.1:PORT", a port free now: a coordinator for processes on this machine alone."""
   import socket
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-  return Cluster(f"127.0.0.1:{port}", 1, 0)
+    return f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 def _never_arrived(cluster: Cluster, timeout: int) -> None:

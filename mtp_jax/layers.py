@@ -189,11 +189,6 @@ def tokens_2d(fn):
   return wrapped
 
 
-def _axes(entry) -> tuple:
-  """A PartitionSpec entry as a tuple of mesh axis names (None: no axis)."""
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def embed_lookup(embedding_VxD, tokens_BxS, dtype) -> jax.Array:
   """Rows of the embedding table for `tokens_BxS`, cast to `dtype` first as nn.Embed does.
 
@@ -210,11 +205,11 @@ def embed_lookup(embedding_VxD, tokens_BxS, dtype) -> jax.Array:
   active = sharding.active_spec(("vocab", "embed"))
   tokens_spec = None if active is None else sharding.active_spec(("batch", "seq"))[1]
   if active is None or active[0].size == 1 or any(
-      dim % math.prod(active[0].shape[ax] for ax in _axes(entry))
+      dim % math.prod(active[0].shape[ax] for ax in sharding.spec_axes(entry))
       for dim, entry in zip(tokens_BxS.shape, tokens_spec)):
     return jnp.take(jnp.asarray(embedding_VxD, dtype), tokens_BxS, axis=0)
   mesh, table_spec = active
-  vocab_axes, embed_axes = _axes(table_spec[0]), _axes(table_spec[1])
+  vocab_axes, embed_axes = sharding.spec_axes(table_spec[0]), sharding.spec_axes(table_spec[1])
 
   def local(table_VxD, tokens_BxS):
     table_VxD = table_VxD.astype(dtype)

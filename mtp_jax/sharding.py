@@ -65,11 +65,16 @@ def _path_name(path) -> str:
   return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
+def spec_axes(entry) -> tuple:
+  """A PartitionSpec entry as a tuple of mesh axis names: () for None, (name,) for one."""
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def _check_divisible(path, shape, logical, spec, mesh: Mesh) -> None:
   """device_put and jit refuse uneven shards with an error that names no parameter; say which
   parameter, which logical axis, and what to change, before anything is allocated."""
   for dim, (size, names, axes) in enumerate(zip(shape, logical, spec)):
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    axes = spec_axes(axes)
     n = math.prod(mesh.shape[a] for a in axes)
     if size % n:
       fix = ("raise config.model.vocab_multiple (the vocabulary is padded to a multiple of it)"

@@ -200,3 +200,25 @@ def plan_small_7b(target: str, out, *extra: str) -> int:
   argv = ["--config", os.path.join(REPO, "configs", "paper_7b_n4.py"), "--target", target,
           "--mesh", "fsdp=4", "--batch", "8", "--no_baseline", *extra, "--json", str(out)]
   return module.main(argv + [a for k, v in SMALL_7B.items() for a in ("--set", f"{k}={v}")])
+
+
+def bench_accel_on_sequential_workdir(target: str, tmp_path, a_batch: float) -> dict:
+  """`bench_accel.py --target TARGET --workdir W` (in this process, batch 1 alone) on a workdir of
+  bench_accel's tiny size with 4 sequential heads (SmolLM2's kind), a_batch read from a
+  bench_decode-shaped grid JSON; the record. tests/tpu and tests/gpu, after aot.prepare_env."""
+  from experiments import aot_decode, bench_accel
+  from mtp_jax.workdir import write_config
+  c = bench_accel.make_config("tiny", 4, "float32", 1, [])
+  c.model.heads.kind = "sequential"
+  wd = tmp_path / "seq_wd"
+  wd.mkdir()
+  write_config(c, str(wd))
+  acc = tmp_path / "grid.json"
+  acc.write_text(json.dumps([{"batch": 1, "heads": 4, "prompt_len": 16, "mode": "greedy",
+                              "a": a_batch, "a_batch": a_batch, "step": 48}]))
+  batches, aot_decode.BATCHES = aot_decode.BATCHES, (1,)
+  try:
+    return bench_accel.main(["--target", target, "--workdir", str(wd), "--acceptance", str(acc),
+                             "--acceptance_prompt_len", "16", "--context", "16"])
+  finally:
+    aot_decode.BATCHES = batches

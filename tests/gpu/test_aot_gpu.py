@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import plan_small_7b, require
+from conftest import bench_accel_on_sequential_workdir, plan_small_7b, require
 
 from mtp_jax import aot, attention
 
@@ -98,23 +98,11 @@ def test_memory_analysis_is_per_gpu_on_a_node():
   assert aot.compiler_name(devices[0]) == "XLA:GPU" and compiled.cost_analysis() is None
 
 
-def test_aot_decode_gpu_model_on_a_workdirs_shape(tmp_path, monkeypatch):
+def test_aot_decode_gpu_model_on_a_workdirs_shape(tmp_path):
   """`bench_accel.py --target gpu:h100 --workdir W`: XLA:GPU compiles the two forwards with every
   scan unrolled; T1 and Tk are aot.gpu_step_seconds of their kernels and argument bytes (no
   compiler time on a GPU), and S = a x T1 / Tk."""
-  from experiments import aot_decode, bench_accel
-  from mtp_jax.workdir import write_config
-  monkeypatch.setattr(aot_decode, "BATCHES", (1,))
-  c = bench_accel.make_config("tiny", 4, "float32", 1, [])
-  c.model.heads.kind = "sequential"
-  wd = tmp_path / "seq_wd"
-  wd.mkdir()
-  write_config(c, str(wd))
-  acc = tmp_path / "grid.json"
-  acc.write_text(json.dumps([{"batch": 1, "heads": 4, "prompt_len": 16, "mode": "greedy",
-                              "a": 1.3, "a_batch": 1.3, "step": 48}]))
-  rec = bench_accel.main(["--target", "gpu:h100", "--workdir", str(wd), "--acceptance",
-                          str(acc), "--acceptance_prompt_len", "16", "--context", "16"])
+  rec = bench_accel_on_sequential_workdir("gpu:h100", tmp_path, 1.3)
   (r,) = rec["runs"]
   assert r["while_loops"] == 0 and r["kernels_k"] > r["kernels_1"] > 10
   assert r["T1_estimated"] == pytest.approx(aot.gpu_step_seconds(

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,12 +29,6 @@ from mtp_jax.data import corpora, pipeline, prepare
 
 STEPS = 6
 TIMEOUT_S = 30  # mesh.distributed_timeout_s of the 2-process runs: heartbeats and barriers
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def train_cmd(corpus, workdir, *overrides):
@@ -61,10 +54,10 @@ def start(corpus, workdir, n: int, *overrides):
   if n == 1:
     return [subprocess.Popen(train_cmd(corpus, workdir, *overrides), env=env_for(corpus, 4),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
-  port = free_port()
+  address = distributed.free_local_address()
   return [subprocess.Popen(
       train_cmd(corpus, workdir, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True, env=env_for(corpus, 4 // n, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+      text=True, env=env_for(corpus, 4 // n, JAX_COORDINATOR_ADDRESS=address,
                              JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i)))
           for i in range(n)]
 
@@ -332,7 +325,7 @@ def test_sigterm_to_both_processes_saves_one_step_and_resumes_exactly(corpus, ru
 
 
 def test_a_peer_that_never_arrives_is_one_line_not_a_hang(corpus, tmp_path):
-  env = env_for(corpus, 2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
+  env = env_for(corpus, 2, JAX_COORDINATOR_ADDRESS=distributed.free_local_address(),
                 JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")
   t0 = time.time()
   p = subprocess.run(train_cmd(corpus, tmp_path / "w", "--config.mesh.distributed_timeout_s=3"),

@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from conftest import REPO, require
+from conftest import REPO, bench_accel_on_sequential_workdir, require
 
 from mtp_jax import aot
 
@@ -41,21 +41,11 @@ def test_aot_decode_tiny_batch_1(tmp_path, monkeypatch):
     assert r[key] == pytest.approx(kept[key], rel=0.05), key
 
 
-def test_aot_decode_on_a_workdirs_shape(tmp_path, monkeypatch):
+def test_aot_decode_on_a_workdirs_shape(tmp_path):
   """`bench_accel.py --target tpu:... --workdir W`: the estimate on W's own shape and head kind
   (sequential heads here, as SmolLM2's in docs/smollm2_heads.md), a read from its grid."""
-  from mtp_jax.workdir import write_config
-  monkeypatch.setattr(aot_decode, "BATCHES", (1,))
-  c = bench_accel.make_config("tiny", 4, "float32", 1, [])
-  c.model.heads.kind = "sequential"
+  rec = bench_accel_on_sequential_workdir("tpu:v5e:2x2", tmp_path, 1.3)
   wd = tmp_path / "seq_wd"
-  wd.mkdir()
-  write_config(c, str(wd))
-  acc = tmp_path / "grid.json"
-  acc.write_text(json.dumps([{"batch": 1, "heads": 4, "prompt_len": 16, "mode": "greedy",
-                              "a": 1.3, "a_batch": 1.3, "step": 48}]))
-  rec = bench_accel.main(["--target", "tpu:v5e:2x2", "--workdir", str(wd), "--acceptance",
-                          str(acc), "--acceptance_prompt_len", "16", "--context", "16"])
   (r,) = rec["runs"]
   assert r["size"] == "seq_wd" and rec["workdir"] == str(wd) and rec["dtype"] == "bfloat16"
   assert r["Tk_estimated"] > r["T1_estimated"] > 0

@@ -123,3 +123,32 @@ def test_a_calls_fixed_part_pulls_the_speedup_towards_one():
                          fixed=lambda c, f=fixed: (f, f))
     assert r["tree"] == want, r["table"]
     assert r["table"][1]["fixed_seconds"] == fixed
+
+
+def test_bounds_prune_only_what_cannot_win():
+  """auto times a window only where it could win: a candidate's S is at most its a with the floor
+  window's time (the chain of the fewest heads, which every window's work contains) x
+  BOUND_SLACK. Drafts accepted to depth 1 only: a(chain 2) = 2, deeper chains no more; with the
+  floor at 1.5x a one-token forward, chain 2's bound is 2 / (1.5 x 0.9) = 1.48 (kept), and at 3x
+  it is 0.74 (pruned, like every candidate)."""
+  probe = costmodel.chain(4)
+  cands = costmodel.candidates(4, trees=False)
+  assert costmodel.floor_window(cands) == costmodel.chain(2)
+  assert costmodel.floor_window(cands[:1]) is None
+  hist = np.asarray([[0, 40, 0, 0]])  # every cycle: one draft accepted, the next refused
+  b = costmodel.bounds(hist, probe, cands, (1.0, 1.5))
+  assert set(b) == set(cands[1:]) and b[costmodel.chain(2)] == pytest.approx(2 / 1.35)
+  assert b[costmodel.chain(4)] == pytest.approx(2 / 1.35)  # as many tokens, the same floor
+  low = costmodel.bounds(hist, probe, cands, (1.0, 3.0))
+  assert all(s < costmodel.MIN_GAIN for s in low.values())
+  # choose with the pruned ones untimed: their rows carry the bound and no S; plain wins
+  seconds = lambda c: (1.0, 1.0 if c.k == 1 else None)
+  picked = costmodel.choose(hist, probe, cands, seconds, bound=low)
+  assert picked["tree"] == costmodel.chain(1) and picked["S_predicted"] == 1.0
+  assert [row["S_predicted"] for row in picked["table"]] == [1.0, None, None, None]
+  assert picked["table"][1]["S_bound"] == pytest.approx(2 / 2.7)
+  # the dynamic tree, where no static tree was timed: a at most DYNAMIC_A_HEADROOM x, k at most
+  a, s = costmodel.dynamic_bound(1.2, 4, (1.0, 1.5))
+  assert a == pytest.approx(1.2 * costmodel.DYNAMIC_A_HEADROOM)
+  assert s == pytest.approx(a / 1.35)
+  assert costmodel.dynamic_bound(3.5, 4, (1.0, 1.5))[0] == 4.0

@@ -99,7 +99,7 @@ def test_calibration_judges_auto_against_the_best_variant_of_its_cell():
   (it is no longer held by definition); where every variant lost, plain is the best and auto
   at 0.97 of it holds; a bet whose prediction was 20% off is out of the cost model's 15%. auto's
   table is judged on every candidate that also ran as a fixed variant."""
-  from experiments import bench_decode
+  from experiments import decode_calibration
 
   def rec(variant, S, batch, heads, off_by_auto=None):
     r = dict(record(S, [S - 0.05, S + 0.05], variant, heads), batch=batch,
@@ -111,10 +111,14 @@ def test_calibration_judges_auto_against_the_best_variant_of_its_cell():
           {"tree": "", "heads": 1, "S_predicted": 1.0, "a_predicted": 1.0},
           {"tree": "1" if batch == 32 else "1,1,1", "heads": 2 if batch == 32 else 4,
            "S_predicted": chain, "a_predicted": 2.0}]}
+      if batch == 8:  # a candidate auto did not time: its bound, against chain:2's clock
+        r["auto"]["table"].append({"tree": "1", "heads": 2, "S_predicted": None,
+                                   "S_bound": 0.7, "a_predicted": 1.1})
     return r
-  cal = bench_decode.calibration([
+  cal = decode_calibration.calibration([
       rec("chain:4", 1.4, 1, 4), rec("auto", 1.0, 1, 1),      # kept plain, chain:4 won
-      rec("chain:4", 0.6, 8, 4), rec("auto", 0.97, 8, 1),     # every variant lost
+      rec("chain:4", 0.6, 8, 4), rec("chain:2", 0.65, 8, 2),
+      rec("auto", 0.97, 8, 1),                                 # every variant lost
       rec("chain:2", 1.2, 32, 2), rec("auto", 1.19, 32, 2, off_by_auto=0.2)])["greedy"]
   by_batch = {a["batch"]: a for a in cal["auto"]}
   assert (by_batch[1]["best_variant"], by_batch[1]["holds"]) == ("chain:4", False)
@@ -131,3 +135,6 @@ def test_calibration_judges_auto_against_the_best_variant_of_its_cell():
       round(1.3 / 1.4 - 1, 3), round(0.5 / 0.6 - 1, 3), 0.2]
   assert (cal["candidates_compared"], cal["candidates_within_15pct"]) == (3, 1)
   assert (cal["predicted_speculation"], cal["predicted_speculation_within_15pct"]) == (2, 1)
+  assert cands[8] and by_batch[8]["bounds"] == [
+      {"variant": "chain:2", "S_bound": 0.7, "S_measured": 0.65, "held": True}]
+  assert (cal["bounds_held"], cal["bounds_compared"]) == (1, 1)

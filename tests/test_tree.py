@@ -217,13 +217,41 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   g = decode_lib.plain(params, args, RAGGED, **kw)
   np.testing.assert_array_equal(g.tokens, r.tokens)
   assert r.auto["probe"]["tree"] == "4,2,2" and r.tree is not None and r.tree == r.auto["tree"]
-  best = max(r.auto["table"], key=lambda row: row["S_predicted"])
+  timed = [row for row in r.auto["table"] if row["S_predicted"] is not None]
+  best = max(timed, key=lambda row: row["S_predicted"])
   assert r.tree == best["tree"] and best["nodes"] > best["heads"]
+  # A window not timed could not have won: its bound is under what was chosen.
+  assert all(row["S_bound"] < best["S_predicted"] for row in r.auto["table"] if row not in timed)
   # The dynamic candidate, probed on its own, as many nodes as the best static tree.
   dyn, = [row for row in r.auto["table"] if row["tree"].startswith("dynamic")]
   static = max((row for row in r.auto["table"] if row["nodes"] > row["heads"] and row is not dyn),
-               key=lambda row: row["S_predicted"])
+               key=lambda row: row["S_bound"] if row["S_predicted"] is None else row["S_predicted"])
   assert dyn["tree"] == f"dynamic:{static['nodes']}" and dyn["a_predicted"] > 1
+
+
+def test_tree_auto_times_only_windows_that_could_win(model, monkeypatch):
+  """Every window but one token's 10x as costly: no candidate's bound (its a with the floor
+  window's time) reaches MIN_GAIN, so only T1, the probe's window and the floor are timed, the
+  dynamic tree is not probed (its row holds its bound), and plain decoding runs."""
+  args, params = model
+  timed = []
+
+  def fake(params, args, trees, **kw):
+    timed.extend(trees)
+    return {t: 1.0 if t.k == 1 else 10.0 for t in trees}
+  monkeypatch.setattr(decode_lib.costmodel, "forward_times", fake)
+  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
+  r = decode_lib.decode(params, args, RAGGED, k="auto", tree="auto", **kw)
+  np.testing.assert_array_equal(r.tokens, decode_lib.plain(params, args, RAGGED, **kw).tokens)
+  chain = decode_lib.costmodel.chain
+  assert r.heads == 1 and sorted(t.name for t in timed) == sorted(
+      [chain(1).name, chain(2).name, "4,2,2"])
+  rows = {row["tree"]: row for row in r.auto["table"]}
+  assert rows["4,2,2"]["S_predicted"] < 1 and rows["2,1"]["S_predicted"] is None
+  dyn, = [row for name, row in rows.items() if name.startswith("dynamic")]
+  assert dyn["S_predicted"] is None and dyn["S_bound"] < decode_lib.costmodel.MIN_GAIN
+  assert all(row["S_bound"] < decode_lib.costmodel.MIN_GAIN for row in rows.values()
+             if row["S_predicted"] is None)
 
 
 @pytest.mark.slow

@@ -49,6 +49,11 @@ from mtp_jax.decoding.tree import Tree, is_tree, parse
 
 PRIOR = 4.0  # pseudo-cycles of the pooled histogram added to each row's
 MIN_GAIN = 1.05  # a candidate must beat plain decoding by this much predicted S
+BOUND_SLACK = 0.9  # `bounds` takes a window at 0.9x the floor's time: timings of one program
+# differ by up to about 10% on a loaded machine, and a bound must not prune by noise
+DYNAMIC_A_HEADROOM = 1.3  # tree=auto's dynamic tree of N nodes accepts at most this much more
+# than the static tree of N nodes: in every grid of experiments/results the dynamic's predicted a
+# was at most 1.26x the static's (1.61 against 1.28)
 TREE_CANDIDATES = ("2", "3", "4", "2,1", "3,1", "4,1", "2,2", "2,1,1", "3,1,1", "4,1,1",
                    "2,2,1", "3,2,1", "4,2,1", "4,2,2")
 
@@ -232,30 +237,72 @@ def call_speedup(a: float, t1: float, t: float, n: int = 0, f1: float = 0.0,
   return (f1 + n * t1) / (f + n / a * t)
 
 
-def table_row(cand, a: float, a_mean: float, t1: float, t: float, max_new_tokens: int = 0,
-              f1: float = 0.0, f: float = 0.0) -> dict:
+def table_row(cand, a: float, a_mean: float, t1: float, t: float | None, max_new_tokens: int = 0,
+              f1: float = 0.0, f: float = 0.0, bound: float | None = None) -> dict:
   """A candidate's line in auto's table: its a (predicted, and the slowest row's mean), its
-  seconds (T1, T; the calls' fixed parts F1, F) and the S they predict (`call_speedup`)."""
-  return {"tree": cand.name, "heads": cand.k, "nodes": cand.n_nodes, "a_predicted": a,
-          "a_mean": a_mean, "forward_1_seconds": t1, "forward_seconds": t,
-          "fixed_1_seconds": f1, "fixed_seconds": f,
-          "S_predicted": call_speedup(a, t1, t, max_new_tokens, f1, f)}
+  seconds (T1, T; the calls' fixed parts F1, F) and the S they predict (`call_speedup`); where
+  the candidate was not timed (t None: its `bounds` entry could not reach the best), no T and no
+  S, only its bound ("S_bound")."""
+  row = {"tree": cand.name, "heads": cand.k, "nodes": cand.n_nodes, "a_predicted": a,
+         "a_mean": a_mean, "forward_1_seconds": t1, "forward_seconds": t,
+         "fixed_1_seconds": f1, "fixed_seconds": f,
+         "S_predicted": None if t is None else call_speedup(a, t1, t, max_new_tokens, f1, f)}
+  return row if bound is None else dict(row, S_bound=bound)
+
+
+def floor_window(cands: list[Tree]) -> Tree | None:
+  """The chain of m heads, m the fewest heads of a speculative candidate: every speculative
+  candidate's window holds at least its m tokens and runs at least its heads, so it costs at
+  least the floor's time (`bounds`). None: no speculative candidate."""
+  ks = [c.k for c in cands if c.k > 1]
+  return chain(min(ks)) if ks else None
+
+
+def bounds(hist_BxN, probe: Tree, cands: list[Tree], floor_seconds, *, max_new_tokens: int = 0,
+           fixed=None) -> dict[Tree, float]:
+  """Each speculative candidate's predicted S at most, before its window is timed: its predicted
+  a (`predict_a`) with the floor window's seconds (`floor_window`; floor_seconds = (T1, T_floor),
+  each with its loop's factor) x BOUND_SLACK for its T, since its window does at least the
+  floor's work. A candidate whose bound cannot reach MIN_GAIN (or an S already timed) cannot be
+  chosen, so auto does not compile and time its window: on a CPU where a window of 2 tokens
+  costs 1.5 one-token forwards and the heads accept little, that is every tree."""
+  t1, t = floor_seconds
+  out = {}
+  for cand in cands:
+    if cand.k > 1:
+      a = predict_a(hist_BxN, probe, cand, max_new_tokens=max_new_tokens)
+      out[cand] = call_speedup(a, t1, t * BOUND_SLACK, max_new_tokens,
+                               *(fixed(cand) if fixed else (0.0, 0.0)))
+  return out
+
+
+def dynamic_bound(a_static: float, k: int, floor_seconds, max_new_tokens: int = 0,
+                  f1: float = 0.0, f: float = 0.0) -> tuple[float, float]:
+  """(a, S) at most of tree=auto's dynamic tree, before it is probed: its a at most
+  DYNAMIC_A_HEADROOM x a_static, the static tree's of as many nodes (and at most k), its T at
+  least the floor's x BOUND_SLACK (`bounds`)."""
+  a = min(float(k), DYNAMIC_A_HEADROOM * a_static)
+  t1, t = floor_seconds
+  return a, call_speedup(a, t1, t * BOUND_SLACK, max_new_tokens, f1, f)
 
 
 def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *,
-           max_new_tokens: int = 0, fixed=None) -> dict:
+           max_new_tokens: int = 0, fixed=None, bound: dict | None = None) -> dict:
   """The candidate of highest predicted S (`call_speedup`); seconds(tree) -> (T1, T)
-  (`forward_times`, each with its loop's factor); fixed(tree) -> (F1, F), the calls' seconds
-  besides their cycles (None: 0, so S = a x T1 / T); a from `predict_a` (max_new_tokens: the
-  expected slowest row of a decode that long; "a_mean" in the table is the slowest row's mean).
-  Returns {"tree": Tree, "S_predicted", "a_predicted", "table": [...]} (plain decoding, the
-  chain of 1, unless a candidate's S is at least MIN_GAIN)."""
+  (`forward_times`, each with its loop's factor; T None: not timed, out of the running);
+  fixed(tree) -> (F1, F), the calls' seconds besides their cycles (None: 0, so S = a x T1 / T);
+  a from `predict_a` (max_new_tokens: the expected slowest row of a decode that long; "a_mean" in
+  the table is the slowest row's mean); bound: `bounds`, kept in the table. Returns {"tree":
+  Tree, "S_predicted", "a_predicted", "table": [...]} (plain decoding, the chain of 1, unless a
+  candidate's S is at least MIN_GAIN)."""
   table = []
   for cand in cands:
     a = predict_a(hist_BxN, probe, cand, max_new_tokens=max_new_tokens)
     table.append(table_row(cand, a, predict_a(hist_BxN, probe, cand), *seconds(cand),
-                           max_new_tokens, *(fixed(cand) if fixed else (0.0, 0.0))))
-  best = max(range(len(cands)), key=lambda i: table[i]["S_predicted"])
+                           max_new_tokens, *(fixed(cand) if fixed else (0.0, 0.0)),
+                           bound=(bound or {}).get(cand)))
+  timed = [i for i in range(len(cands)) if table[i]["S_predicted"] is not None]
+  best = max(timed, key=lambda i: table[i]["S_predicted"])
   if table[best]["S_predicted"] < MIN_GAIN:
     best = 0  # plain decoding
   return {"tree": cands[best], "S_predicted": 1.0 if best == 0 else table[best]["S_predicted"],

@@ -201,28 +201,44 @@ class Session:
     _, plain_cycle_seconds, plain_fixed = self._probe(prompts, None, k=1, **kw)  # plain's loop
     context = timing_cache.prompt_bucket(width) + max_new_tokens // 2
 
-    one = costmodel.chain(1)
-    times = self.forward_times([one, probe] + cands, batch=batch, context=context)
+    one, floor = costmodel.chain(1), costmodel.floor_window(cands)
+    timing = dict(batch=batch, context=context)
+    times = dict(self.forward_times([one, probe] + ([floor] if floor else []), **timing))
     # The loops' own cost (acceptance, drafting, cache bookkeeping) beyond the forward: seconds
     # per cycle over the window's forward timed in a loop (`costmodel.forward_times`), measured
     # on the probe for every speculative candidate and on plain decoding's loop for T1.
     loop_factor = max(1.0, cycle_seconds / times[probe])
     plain_loop_factor = max(1.0, plain_cycle_seconds / times[one])
     seconds = lambda c: (times[one] * plain_loop_factor,
+                         None if c not in times else
                          times[c] * (loop_factor if c.k > 1 else plain_loop_factor))
     pessimism = dict(max_new_tokens=max_new_tokens)  # the expected slowest row
     # each call's fixed part: plain decoding's from its probe, every candidate's from the probe's
     fixed_of = lambda c: (plain_fixed, fixed if c.k > 1 else plain_fixed)
+    # Only the windows that could win are compiled and timed: a candidate's S is at most its a
+    # with the floor window's time (`costmodel.bounds`); under the best S timed so far (or
+    # MIN_GAIN) it cannot be chosen.
+    bound = costmodel.bounds(r.rows_hist, probe, cands, seconds(floor), fixed=fixed_of,
+                             **pessimism) if floor else {}
+    so_far = costmodel.choose(r.rows_hist, probe, [c for c in cands if c in times], seconds,
+                              fixed=fixed_of, **pessimism)["S_predicted"]
+    more = [c for c in cands if c not in times and bound[c] >= max(costmodel.MIN_GAIN, so_far)]
+    if more:
+      times.update(self.forward_times(more, **timing))
 
-    picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, **pessimism)
+    picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, bound=bound,
+                              **pessimism)
     best = picked.pop("tree")
     if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
-      picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism, **kw)
+      picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism,
+                                   floor_seconds=seconds(floor), **kw)
     spent = time.perf_counter() - t0
     label = ("plain decoding" if best.k == 1 else f"tree {best.name}" if tree_lib.is_tree(best)
              else f"heads 1..{best.k}")
+    timed = sum(row["S_predicted"] is not None for row in picked["table"])
     self.progress(f"auto: {label} (predicted S {picked['S_predicted']:.2f}); deciding took "
-                  f"{spent:.1f}s, {self.measured_seconds - measured0:.1f}s of it measured")
+                  f"{spent:.1f}s, {self.measured_seconds - measured0:.1f}s of it measured; "
+                  f"{timed} of {len(picked['table'])} candidates timed, the rest could not win")
     return dict(picked, heads=best.k, tree=best if tree_lib.is_tree(best) else None,
                 probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
                        "tokens_per_forward": r.tokens_per_forward, "loop_factor": loop_factor,
@@ -233,17 +249,25 @@ class Session:
                 measured_seconds=self.measured_seconds - measured0,  # 0: all from the cache
                 cache=self.disk.root if self.disk else None)
 
-  def _dynamic(self, prompts, picked, best, *, k, pessimism, **kw):
+  def _dynamic(self, prompts, picked, best, *, k, pessimism, floor_seconds, **kw):
     """`tree=auto`'s dynamic candidate: dynamic:N over heads 2..k, N the node count of the static
-    tree of highest predicted S; its a from a probe of its own (the slowest row's, smoothed as
-    `costmodel.predict_a` does, from its histogram by depth), its T from its window's timed
-    forward times its probe's own loop factor. (picked, best) again, with it in the table, and
-    chosen where its S is the highest and at least MIN_GAIN."""
+    tree of highest predicted S (or bound, where not timed); its a from a probe of its own (the
+    slowest row's, smoothed as `costmodel.predict_a` does, from its histogram by depth), its T
+    from its window's timed forward times its probe's own loop factor. (picked, best) again,
+    with it in the table, and chosen where its S is the highest and at least MIN_GAIN. Probed
+    only where its own bound (`costmodel.dynamic_bound`) reaches the best S and MIN_GAIN; else
+    its row holds the bound."""
     static = [row for row in picked["table"] if row["nodes"] > row["heads"]]  # not chains
     if not static:
       return picked, best
-    top = max(static, key=lambda row: row["S_predicted"])
+    s_of = lambda row: row["S_bound"] if row["S_predicted"] is None else row["S_predicted"]
+    top = max(static, key=s_of)
     dyn = tree_lib.Dynamic(top["nodes"], k - 1)
+    a, bound = costmodel.dynamic_bound(top["a_predicted"], k, floor_seconds, kw["max_new_tokens"],
+                                       top["fixed_1_seconds"], top["fixed_seconds"])
+    if bound < max(costmodel.MIN_GAIN, picked["S_predicted"]):
+      row = costmodel.table_row(dyn, a, a, top["forward_1_seconds"], None, bound=bound)
+      return dict(picked, table=picked["table"] + [row]), best
     r, cycle_seconds, fixed = self._probe(prompts, dyn, k=k, **kw)
     width = timing_cache.prompt_bucket(max(len(p) for p in prompts))
     t = self.forward_times([costmodel.chain(1), dyn], batch=len(prompts),

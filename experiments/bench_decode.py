@@ -240,7 +240,9 @@ def main(argv=None):
   ap.add_argument("--workdir", default=None)
   ap.add_argument("--json", default=None)
   ap.add_argument("--png_dir", default=None, help="default: the folder of --json")
-  ap.add_argument("--png_prefix", default="decode_", help="PNG names: PREFIXspeedup.png, ...")
+  ap.add_argument("--png_prefix", default=None,
+                  help="PNG names: PREFIXspeedup.png, ...; default: the --json (--replot) file's "
+                       "name and _ (decode_ without one), so a run never overwrites another's")
   ap.add_argument("--replot", default=None, help="a JSON this script wrote: only plot it")
   ap.add_argument("--batches", default="1,8,32")
   ap.add_argument("--prompt_lens", default="64,256")
@@ -252,6 +254,13 @@ def main(argv=None):
   ap.add_argument("--top_p", type=float, default=0.95)
   ap.add_argument("--top_k", type=int, default=0)
   args = ap.parse_args(argv)
+  if args.png_prefix is None:
+    named = args.replot or args.json
+    args.png_prefix = (os.path.splitext(os.path.basename(named))[0] + "_" if named
+                       else "decode_")
+  if os.sep in args.png_prefix:
+    raise SystemExit(f"error: --png_prefix: a file name prefix, not a path, got "
+                     f"{args.png_prefix!r} (the folder is --png_dir)")
   if args.replot:
     with open(args.replot) as f:
       plots(json.load(f), args.png_dir or os.path.dirname(os.path.abspath(args.replot)),

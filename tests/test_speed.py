@@ -138,3 +138,18 @@ def test_calibration_judges_auto_against_the_best_variant_of_its_cell():
   assert cands[8] and by_batch[8]["bounds"] == [
       {"variant": "chain:2", "S_bound": 0.7, "S_measured": 0.65, "held": True}]
   assert (cal["bounds_held"], cal["bounds_compared"]) == (1, 1)
+
+
+def test_bench_decode_png_prefix_is_a_name_and_defaults_to_the_json(tmp_path, monkeypatch):
+  """A path as --png_prefix is one error line naming the flag, before any work; without the
+  flag, --replot's PNGs take the JSON's name (a run never overwrites another's decode_*.png)."""
+  from experiments import bench_decode
+  with pytest.raises(SystemExit, match="--png_prefix: a file name prefix, not a path"):
+    bench_decode.main(["--workdir", "x", "--png_prefix", "out/grid_"])
+  seen = {}
+  monkeypatch.setattr(bench_decode, "plots",
+                      lambda records, png_dir, prefix: seen.update(dir=png_dir, prefix=prefix))
+  path = tmp_path / "grid_epyc.json"
+  path.write_text("[]")
+  bench_decode.main(["--replot", str(path)])
+  assert seen == {"dir": str(tmp_path), "prefix": "grid_epyc_"}

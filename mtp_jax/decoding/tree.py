@@ -250,7 +250,11 @@ def draft_dynamic(lg_DxBxV, root_B, nodes: int) -> tuple[jax.Array, Layout]:
   D, B, V = lg_DxBxV.shape
   N, C = nodes, min(nodes - 1, V)
   rows_B = jnp.arange(B)
-  lq_DxBxC, tok_DxBxC = jax.lax.top_k(jax.nn.log_softmax(lg_DxBxV.astype(jnp.float32)), C)
+  # each head's C best as log-probabilities, head by head: XLA:CPU makes a top_k a TopK call
+  # only where its sort is sliced along the sorted axis alone; one top_k over [D, B, V] indexed
+  # by depth below stayed a full sort of the vocabulary (35 ms a cycle on SmolLM2)
+  lg_DxBxV = jax.nn.log_softmax(lg_DxBxV.astype(jnp.float32))
+  best = [jax.lax.top_k(lg_DxBxV[d], C) for d in range(D)]
   # Candidates, depth by depth (global index: the root 0, then each depth's best in a block):
   # the best min(N - 1, F C) children of the previous depth's F best hold that depth's best.
   score, parent, tok, depth = [jnp.full((B, 1), jnp.inf)], [jnp.zeros((B, 1), jnp.int32)], \
@@ -258,11 +262,11 @@ def draft_dynamic(lg_DxBxV, root_B, nodes: int) -> tuple[jax.Array, Layout]:
   front_BxF, start = jnp.zeros((B, 1), jnp.float32), 0
   for d in range(D):
     F = front_BxF.shape[1]
-    s_BxFC = (front_BxF[:, :, None] + lq_DxBxC[d][:, None, :]).reshape(B, F * C)
+    s_BxFC = (front_BxF[:, :, None] + best[d][0][:, None, :]).reshape(B, F * C)
     front_BxF, idx_BxF = jax.lax.top_k(s_BxFC, min(N - 1, F * C))
     score.append(front_BxF)
     parent.append((start + idx_BxF // C).astype(jnp.int32))
-    tok.append(tok_DxBxC[d][rows_B[:, None], idx_BxF % C].astype(jnp.int32))
+    tok.append(best[d][1][rows_B[:, None], idx_BxF % C].astype(jnp.int32))
     depth += [d + 1] * front_BxF.shape[1]
     start += F
   # The best N over all depths (the root first: score inf); a stable sort puts the shallower of

@@ -136,10 +136,11 @@ def test_bounds_prune_only_what_cannot_win():
   assert costmodel.floor_window(cands) == costmodel.chain(2)
   assert costmodel.floor_window(cands[:1]) is None
   hist = np.asarray([[0, 40, 0, 0]])  # every cycle: one draft accepted, the next refused
-  b = costmodel.bounds(hist, probe, cands, (1.0, 1.5))
+  a_of = costmodel.predicted_a(hist, probe, cands)
+  b = costmodel.bounds(a_of, (1.0, 1.5))
   assert set(b) == set(cands[1:]) and b[costmodel.chain(2)] == pytest.approx(2 / 1.35)
   assert b[costmodel.chain(4)] == pytest.approx(2 / 1.35)  # as many tokens, the same floor
-  low = costmodel.bounds(hist, probe, cands, (1.0, 3.0))
+  low = costmodel.bounds(a_of, (1.0, 3.0))
   assert all(s < costmodel.MIN_GAIN for s in low.values())
   # choose with the pruned ones untimed: their rows carry the bound and no S; plain wins
   seconds = lambda c: (1.0, 1.0 if c.k == 1 else None)

@@ -258,22 +258,28 @@ def floor_window(cands: list[Tree]) -> Tree | None:
   return chain(min(ks)) if ks else None
 
 
-def bounds(hist_BxN, probe: Tree, cands: list[Tree], floor_seconds, *, max_new_tokens: int = 0,
+def predicted_a(hist_BxN, probe: Tree, cands: list[Tree], *,
+                max_new_tokens: int = 0) -> dict[Tree, float]:
+  """`predict_a` of every candidate, once: `bounds` and `choose` (twice in a decision) read it."""
+  return {c: predict_a(hist_BxN, probe, c, max_new_tokens=max_new_tokens) for c in cands}
+
+
+def bounds(a_of: dict, floor_seconds, *, max_new_tokens: int = 0,
            fixed=None) -> dict[Tree, float]:
   """Each speculative candidate's predicted S at most, before its window is timed: its predicted
-  a (`predict_a`) with the floor window's seconds (`floor_window`; floor_seconds = (T1, T_floor),
-  each with its loop's factor) x BOUND_SLACK for its T, since its window does at least the
-  floor's work. A candidate whose bound cannot reach MIN_GAIN (or an S already timed) cannot be
-  chosen, so auto does not compile and time its window: on a CPU where a window of 2 tokens
+  a (a_of, `predicted_a`) with the floor window's seconds (`floor_window`; floor_seconds = (T1,
+  T_floor), each with its loop's factor) x BOUND_SLACK for its T, since its window does at least
+  the floor's work. A candidate whose bound cannot reach MIN_GAIN (or an S already timed) cannot
+  be chosen, so auto does not compile and time its window: on a CPU where a window of 2 tokens
   costs 1.5 one-token forwards and the heads accept little, that is every tree."""
+  return {cand: _bound(a, floor_seconds, max_new_tokens, *(fixed(cand) if fixed else (0.0, 0.0)))
+          for cand, a in a_of.items() if cand.k > 1}
+
+
+def _bound(a: float, floor_seconds, max_new_tokens: int, f1: float, f: float) -> float:
+  """S at most: a with the floor's T x BOUND_SLACK (`bounds`)."""
   t1, t = floor_seconds
-  out = {}
-  for cand in cands:
-    if cand.k > 1:
-      a = predict_a(hist_BxN, probe, cand, max_new_tokens=max_new_tokens)
-      out[cand] = call_speedup(a, t1, t * BOUND_SLACK, max_new_tokens,
-                               *(fixed(cand) if fixed else (0.0, 0.0)))
-  return out
+  return call_speedup(a, t1, t * BOUND_SLACK, max_new_tokens, f1, f)
 
 
 def dynamic_bound(a_static: float, k: int, floor_seconds, max_new_tokens: int = 0,
@@ -282,22 +288,24 @@ def dynamic_bound(a_static: float, k: int, floor_seconds, max_new_tokens: int = 
   DYNAMIC_A_HEADROOM x a_static, the static tree's of as many nodes (and at most k), its T at
   least the floor's x BOUND_SLACK (`bounds`)."""
   a = min(float(k), DYNAMIC_A_HEADROOM * a_static)
-  t1, t = floor_seconds
-  return a, call_speedup(a, t1, t * BOUND_SLACK, max_new_tokens, f1, f)
+  return a, _bound(a, floor_seconds, max_new_tokens, f1, f)
 
 
 def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *,
-           max_new_tokens: int = 0, fixed=None, bound: dict | None = None) -> dict:
+           max_new_tokens: int = 0, fixed=None, bound: dict | None = None,
+           a_of: dict | None = None) -> dict:
   """The candidate of highest predicted S (`call_speedup`); seconds(tree) -> (T1, T)
   (`forward_times`, each with its loop's factor; T None: not timed, out of the running);
   fixed(tree) -> (F1, F), the calls' seconds besides their cycles (None: 0, so S = a x T1 / T);
   a from `predict_a` (max_new_tokens: the expected slowest row of a decode that long; "a_mean" in
-  the table is the slowest row's mean); bound: `bounds`, kept in the table. Returns {"tree":
+  the table is the slowest row's mean; a_of: those a, computed already, `predicted_a`); bound:
+  `bounds`, kept in the table. Returns {"tree":
   Tree, "S_predicted", "a_predicted", "table": [...]} (plain decoding, the chain of 1, unless a
   candidate's S is at least MIN_GAIN)."""
   table = []
   for cand in cands:
-    a = predict_a(hist_BxN, probe, cand, max_new_tokens=max_new_tokens)
+    a = (a_of[cand] if a_of is not None else
+         predict_a(hist_BxN, probe, cand, max_new_tokens=max_new_tokens))
     table.append(table_row(cand, a, predict_a(hist_BxN, probe, cand), *seconds(cand),
                            max_new_tokens, *(fixed(cand) if fixed else (0.0, 0.0)),
                            bound=(bound or {}).get(cand)))

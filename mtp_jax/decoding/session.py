@@ -218,16 +218,16 @@ class Session:
     # Only the windows that could win are compiled and timed: a candidate's S is at most its a
     # with the floor window's time (`costmodel.bounds`); under the best S timed so far (or
     # MIN_GAIN) it cannot be chosen.
-    bound = costmodel.bounds(r.rows_hist, probe, cands, seconds(floor), fixed=fixed_of,
-                             **pessimism) if floor else {}
+    a_of = costmodel.predicted_a(r.rows_hist, probe, cands, **pessimism)
+    bound = costmodel.bounds(a_of, seconds(floor), fixed=fixed_of, **pessimism) if floor else {}
     so_far = costmodel.choose(r.rows_hist, probe, [c for c in cands if c in times], seconds,
-                              fixed=fixed_of, **pessimism)["S_predicted"]
+                              fixed=fixed_of, a_of=a_of, **pessimism)["S_predicted"]
     more = [c for c in cands if c not in times and bound[c] >= max(costmodel.MIN_GAIN, so_far)]
     if more:
       times.update(self.forward_times(more, **timing))
 
     picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, bound=bound,
-                              **pessimism)
+                              a_of=a_of, **pessimism)
     best = picked.pop("tree")
     if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
       picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism,

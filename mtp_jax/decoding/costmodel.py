@@ -302,11 +302,11 @@ def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *,
   `bounds`, kept in the table. Returns {"tree":
   Tree, "S_predicted", "a_predicted", "table": [...]} (plain decoding, the chain of 1, unless a
   candidate's S is at least MIN_GAIN)."""
+  if a_of is None:
+    a_of = predicted_a(hist_BxN, probe, cands, max_new_tokens=max_new_tokens)
   table = []
   for cand in cands:
-    a = (a_of[cand] if a_of is not None else
-         predict_a(hist_BxN, probe, cand, max_new_tokens=max_new_tokens))
-    table.append(table_row(cand, a, predict_a(hist_BxN, probe, cand), *seconds(cand),
+    table.append(table_row(cand, a_of[cand], predict_a(hist_BxN, probe, cand), *seconds(cand),
                            max_new_tokens, *(fixed(cand) if fixed else (0.0, 0.0)),
                            bound=(bound or {}).get(cand)))
   timed = [i for i in range(len(cands)) if table[i]["S_predicted"] is not None]

@@ -222,3 +222,25 @@ def bench_accel_on_sequential_workdir(target: str, tmp_path, a_batch: float) -> 
                              "--acceptance_prompt_len", "16", "--context", "16"])
   finally:
     aot_decode.BATCHES = batches
+
+
+def force_costs(monkeypatch, seconds):
+  """auto's cost model on given costs: seconds(window) -> a window's forward time (a Tree or
+  Dynamic; the chain of k for a chain), used for `costmodel.forward_times` and for the probes'
+  measured cycles (the windows' loops cost their forward, no fixed part); the probes' acceptance
+  stays real. Returns the windows timed, in order."""
+  from mtp_jax.decoding import costmodel, session
+  timed, run_probes = [], session.Session._run_probes
+
+  def forward_times(params, args, trees, **kw):
+    timed.extend(trees)
+    return {t: seconds(t) for t in trees}
+
+  def probes(self, prompts, windows, **kw):
+    got = run_probes(self, prompts, windows, **kw)
+    return [(r, seconds(costmodel.chain(k) if tree is None else tree), 0.0)
+            for (tree, k), (r, _, _) in zip(windows, got)]
+
+  monkeypatch.setattr(costmodel, "forward_times", forward_times)
+  monkeypatch.setattr(session.Session, "_run_probes", probes)
+  return timed

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from conftest import force_costs
 
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.model import build_model, init_params
@@ -185,20 +186,13 @@ def test_decoder_compiles_once_and_runs_any_prompts_of_its_shape(random_model):
 
 # heads="auto" (mtp_jax.decoding.costmodel): a forced cost model decides; the probe's acceptance is
 # real.
-def forced_costs(monkeypatch, tk_over_t1):
-  def fake(params, args, trees, *, batch, context, reps=11):
-    del params, args, batch, context, reps
-    return {t: 1.0 if t.k == 1 else tk_over_t1 * (1 + 0.01 * t.k) for t in trees}
-  monkeypatch.setattr(decode_lib.costmodel, "forward_times", fake)
-
-
 @pytest.mark.slow  # its trained fixture
 @pytest.mark.parametrize("tk_over_t1, want", [(10.0, 1), (1.0, 4)])
 def test_auto_heads_follow_the_cost_model(trained, monkeypatch, tk_over_t1, want):
   """A k-token forward 10x a one-token one: speculation loses, auto runs plain decoding; as
   cheap as one token: the most heads win (the trained model accepts every draft)."""
   args, params = trained
-  forced_costs(monkeypatch, tk_over_t1)
+  force_costs(monkeypatch, lambda t: 1.0 if t.k == 1 else tk_over_t1 * (1 + 0.01 * t.k))
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   g = decode_lib.plain(params, args, RAGGED, **kw)
   r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import random_params, tiny_config
+from conftest import force_costs, random_params, tiny_config
 from mtp_jax import heads
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.decoding import tree as tree_lib
@@ -205,8 +205,7 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   """Every forward as cheap as one token: the largest predicted a wins, a tree (the random
   model's drafts pass at ranks > 0); the output is still greedy's."""
   args, params = model
-  monkeypatch.setattr(decode_lib.costmodel, "forward_times",
-                      lambda params, args, trees, **kw: {t: 1.0 for t in trees})
+  force_costs(monkeypatch, lambda t: 1.0)
   # The slowest row's mean a (no spread: the random model's a is ~1.1, within the spread of
   # plain's; tests/test_auto_k.py checks the expected slowest row by hand).
   predict_a = decode_lib.costmodel.predict_a
@@ -234,12 +233,7 @@ def test_tree_auto_times_only_windows_that_could_win(model, monkeypatch):
   window's time) reaches MIN_GAIN, so only T1, the probe's window and the floor are timed, the
   dynamic tree is not probed (its row holds its bound), and plain decoding runs."""
   args, params = model
-  timed = []
-
-  def fake(params, args, trees, **kw):
-    timed.extend(trees)
-    return {t: 1.0 if t.k == 1 else 10.0 for t in trees}
-  monkeypatch.setattr(decode_lib.costmodel, "forward_times", fake)
+  timed = force_costs(monkeypatch, lambda t: 1.0 if t.k == 1 else 10.0)
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   r = decode_lib.decode(params, args, RAGGED, k="auto", tree="auto", **kw)
   np.testing.assert_array_equal(r.tokens, decode_lib.plain(params, args, RAGGED, **kw).tokens)
@@ -258,15 +252,41 @@ def test_tree_auto_times_only_windows_that_could_win(model, monkeypatch):
 def test_forward_times_run_every_window_in_a_compiled_loop(model):
   """The cost model's inputs (costmodel.forward_times): the chain of 1, a chain and a tree, each
   run inside a compiled loop at two trip counts (the tree with its mask); a time per window,
-  kept per shape by a decode.Session (bounded, holding the params it timed)."""
+  none under a window it holds, kept per shape by a decode.Session (bounded, holding the params
+  it timed)."""
   args, params = model
-  windows = [decode_lib.costmodel.chain(1), decode_lib.costmodel.chain(3), tree_lib.parse("2,1")]
+  chain = decode_lib.costmodel.chain
+  windows = [chain(1), chain(3), tree_lib.parse("2,1")]
   session = decode_lib.Session(params, args, cache_size=1)
   t = session.forward_times(windows, batch=2, context=8, reps=2)
   assert list(t) == windows and all(np.isfinite(s) and s > 0 for s in t.values())
-  assert session.forward_times(windows, batch=2, context=8, reps=2) is t
-  session.forward_times(windows[:1], batch=2, context=8, reps=2)  # evicts the first entry
+  assert min(t[chain(3)], t[windows[2]]) >= t[chain(1)]
+  assert session.forward_times(windows, batch=2, context=8, reps=2) == t
+  session.forward_times(windows[:1], batch=2, context=9, reps=2)  # evicts the first shape
   assert len(session._forward) == 1
+
+
+def test_windows_timed_later_join_their_shapes_scale(monkeypatch):
+  """A window timed after others of its shape is timed beside the largest of them and scaled by
+  that one's time then and now: a machine running 2x slower the second time leaves S as it was.
+  No window times under one it holds (costmodel.monotone)."""
+  cm = decode_lib.costmodel
+  chain, t21 = cm.chain, tree_lib.parse("2,1")
+  assert cm.holds(t21, chain(2)) and cm.holds(chain(3), chain(1)) and not cm.holds(chain(2), t21)
+  assert cm.monotone({chain(1): 2.0, chain(2): 1.5, t21: 1.0}) == {
+      chain(1): 2.0, chain(2): 2.0, t21: 2.0}
+  calls, slow = [], {"factor": 1.0}
+  base = {chain(1): 1.0, chain(2): 1.4, chain(3): 1.7, t21: 2.0}
+
+  def fake(params, args, trees, **kw):
+    calls.append([t.name for t in trees])
+    return {t: base[t] * slow["factor"] for t in trees}
+  monkeypatch.setattr(cm, "forward_times", fake)
+  session = decode_lib.Session({}, None)
+  assert session.forward_times([chain(1), t21], batch=1, context=8) == {chain(1): 1.0, t21: 2.0}
+  slow["factor"] = 2.0
+  got = session.forward_times([chain(2), chain(3)], batch=1, context=8)
+  assert calls[-1] == ["1", "1,1", "2,1"] and got == {chain(2): 1.4, chain(3): 1.7}
 
 
 def test_dynamic_tree_loop_sorts_no_vocabulary(model):

@@ -72,22 +72,38 @@ def forward_times(params, args: ModelArgs, trees: list[Tree], *, batch: int, con
   forward is (t(10) - t(2)) / 8, so call overhead and the cache's copy into the loop cancel.
   (Timed as one jitted call each, a one-token forward cost far more than a plain decoding step,
   and the predictions were wrong: docs/cpu_speed.md.)
-  Each window compiled and warmed up, then `reps` rounds calling every window at both counts,
-  and the minimum of each: on a shared machine other work only ever adds time, and interleaving
-  lets every window see the same load. Measured on every call (`decode.Session.forward_times`
+  Each window compiled and warmed up, then `reps` rounds calling every window at both counts;
+  a window's time is the median over rounds of t(10) - t(2) within a round (paired: the two calls
+  see the same moment's load), and a window that holds another (`holds`) never times cheaper
+  than it. (The difference of the two minima, on a 2-core VM at 0.5-5 ms a forward, put a 2-token
+  window at the 1-token one's time and a 4-token one at twice its own loop's cycle:
+  docs/decoding.md, "Where auto bets".) Measured on every call (`decode.Session.forward_times`
   keeps them per shape)."""
   trees = list(dict.fromkeys(trees))
   fns = [_forward_fn(params, args, t, batch, context) for t in trees]
-  times = [{n: [] for n in LOOP_COUNTS} for _ in trees]
-  for _ in range(reps):
-    for f, ts in zip(fns, times):
-      for n in LOOP_COUNTS:
-        t0 = time.perf_counter()
-        f(n)
-        ts[n].append(time.perf_counter() - t0)
   lo, hi = LOOP_COUNTS
-  return {t: max(float(min(ts[hi]) - min(ts[lo])) / (hi - lo), 1e-9)
-          for t, ts in zip(trees, times)}
+  per = [[] for _ in trees]
+  for _ in range(reps):
+    for f, ds in zip(fns, per):
+      t0 = time.perf_counter()
+      f(lo)
+      t1 = time.perf_counter()
+      f(hi)
+      ds.append((time.perf_counter() - t1) - (t1 - t0))
+  return monotone({t: max(float(np.median(ds)) / (hi - lo), 1e-9) for t, ds in zip(trees, per)})
+
+
+def holds(big: Tree, small: Tree) -> bool:
+  """Whether `big`'s window holds `small`'s: as many depths or more, at least as many nodes at
+  each (the chain of 1 is held by every window): its forward does at least `small`'s work."""
+  return (len(small.spec) <= len(big.spec)
+          and all(s <= b for s, b in zip(small.spec, big.spec)))
+
+
+def monotone(times: dict[Tree, float]) -> dict[Tree, float]:
+  """`times` with every window's time at least that of each window it holds (`holds`): a timing
+  below a smaller window's is noise, and the smaller one's time the least the larger costs."""
+  return {t: max(s for u, s in times.items() if holds(t, u)) for t in times}
 
 
 def forward_seconds(params, args: ModelArgs, k: int, *, batch: int, context: int,

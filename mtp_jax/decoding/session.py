@@ -7,7 +7,6 @@ instead of probing again. Decodes through `decoder.Decoder`. Errors name the par
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
@@ -24,8 +23,10 @@ from mtp_jax.model_args import ModelArgs
 log = logging.getLogger(__name__)
 
 
-PROBE_CYCLES = 12  # cycles of the probe run that measures acceptance for "auto"
-PLAIN_PROBE_STEPS = 48  # plain decoding's steps in its timed probe (`probe_lengths`)
+PROBE_CYCLES = 4  # cycles of a speculative window's short timed run (`probe_lengths`)
+PLAIN_PROBE_STEPS = 12  # plain decoding's steps in its short timed run (`probe_lengths`)
+PROBE_ROUNDS = 3  # timed rounds of a probe's two runs (`Session._run_probes`)
+VERIFY_PICKS = 2  # picks whose own loop auto probes before it bets (`Session._decide`)
 CACHE_SIZE = 32  # entries a Session keeps of each cache (the least recently used go first)
 
 
@@ -37,34 +38,15 @@ class _Probe:
   tokens_per_forward: float
 
 
-def probe_lengths(k: int, max_new_tokens: int) -> tuple[int, int]:
-  """(short, long): the cycles of a probe's two timed runs. A speculative window: PROBE_CYCLES
-  // 3 and PROBE_CYCLES (the long run's histogram is the acceptance probe). Plain decoding (k
-  1): PLAIN_PROBE_STEPS // 4 and PLAIN_PROBE_STEPS, its steps being a few times cheaper than a
-  cycle; with 8 (0.1-0.4 ms each at batch 1 on a CPU) the difference was within a call's jitter
-  and T1 came out up to 3x low (docs/decoding.md). Both within the call's max_new_tokens."""
-  short, long = (PROBE_CYCLES // 3, PROBE_CYCLES) if k > 1 else (PLAIN_PROBE_STEPS // 4,
-                                                                  PLAIN_PROBE_STEPS)
-  long = max(min(long, max_new_tokens - 1), 2)
-  return max(min(short, long // 3), 1), long
-
-
-class _Bounded:
-  """At most `size` entries, the least recently used dropped first."""
-
-  def __init__(self, size: int):
-    self.size, self._d = size, collections.OrderedDict()
-
-  def get(self, key, make):
-    if key not in self._d:
-      self._d[key] = make()
-      if len(self._d) > self.size:
-        self._d.popitem(last=False)
-    self._d.move_to_end(key)
-    return self._d[key]
-
-  def __len__(self) -> int:
-    return len(self._d)
+def probe_lengths(k: int, max_new_tokens: int) -> tuple[int, None]:
+  """(short, None): the cycles of a probe's two timed runs, None the whole call (max_new_tokens
+  tokens a row). Short: PROBE_CYCLES of a speculative window, PLAIN_PROBE_STEPS of plain
+  decoding (k 1), at most half the whole call's cycles. The whole call, since a window of 4
+  and 12 cycles (8 and 48 plain steps) left a cycle off by up to 40% at batch 1 on a CPU (the
+  difference of two short calls is within their jitter), and since acceptance drifts over a
+  decode (docs/decoding.md, "Where auto bets")."""
+  short = PROBE_CYCLES if k > 1 else PLAIN_PROBE_STEPS
+  return max(min(short, max_new_tokens // (2 * k)), 1), None
 
 
 class Session:
@@ -83,7 +65,8 @@ class Session:
                disk: timing_cache.DiskCache | None = None, progress=None):
     self.params, self.args, self.disk = params, args, disk
     self.progress = progress or (lambda line: None)
-    self._choices, self._forward = _Bounded(cache_size), _Bounded(cache_size)
+    self._choices = timing_cache.Bounded(cache_size)
+    self._forward = timing_cache.Bounded(cache_size)
     self._base, self._params_key = None, None
     self.measured_seconds = 0.0  # spent probing and timing (not read from the disk cache)
 
@@ -97,24 +80,36 @@ class Session:
     return dict(self._base, what=what, **({"params": self._params_key} if params else {}), **kw)
 
   def forward_times(self, trees: list, *, batch: int, context: int, reps: int = 11) -> dict:
-    """`costmodel.forward_times` of this session's model, timed once per shape (kept on the
-    session, and on disk where it has a cache: then only windows missing there are timed)."""
+    """`costmodel.forward_times` of this session's model, each window timed once per shape (kept
+    on the session, and on disk where it has a cache). Windows timed later than others of their
+    shape are timed beside the largest of those and scaled by its time then and now, so every
+    time of a shape is on one scale (S compares them: a window timed a minute later, on a machine
+    running 20% slower, would lose by that alone)."""
     trees = list(dict.fromkeys(trees))
-    return self._forward.get((batch, context, tuple(trees), reps), lambda: self._timed(
-        trees, batch=batch, context=context, reps=reps))
+    known = self._forward.get((batch, context, reps), dict)
+    missing = [t for t in trees if t not in known]
+    if missing:
+      known.update(self._timed(missing, known, batch=batch, context=context, reps=reps))
+      known.update(costmodel.monotone(known))
+    return {t: known[t] for t in trees}
 
-  def _timed(self, trees, *, batch, context, reps) -> dict:
+  def _timed(self, trees, known, *, batch, context, reps) -> dict:
     key = lambda t: self._key("forward", batch=batch, context=context, window=t.name, reps=reps)
     got = {t: self.disk.get(key(t)) for t in trees} if self.disk else {}
-    missing = [t for t in trees if not isinstance(got.get(t), (int, float))]
+    got = {t: float(v) for t, v in got.items() if isinstance(v, (int, float))}
+    missing = [t for t in trees if t not in got]
     if missing:
+      ref = dict(known, **got)  # what this shape holds already: the new times join its scale
+      ref = max(ref, key=lambda t: (t.n_nodes, t.k)) if ref else None
       t0 = time.perf_counter()
-      got.update(costmodel.forward_times(self.params, self.args, missing, batch=batch,
-                                         context=context, reps=reps))
+      new = costmodel.forward_times(self.params, self.args, missing + ([ref] if ref else []),
+                                    batch=batch, context=context, reps=reps)
       self.measured_seconds += time.perf_counter() - t0
+      scale = dict(known, **got)[ref] / new[ref] if ref else 1.0
+      got.update({t: new[t] * scale for t in missing})
       for t in missing if self.disk else ():
         self.disk.put(key(t), got[t])
-    return {t: float(got[t]) for t in trees}
+    return got
 
   def choose(self, prompts: list, *, max_new_tokens: int, k, tree, eos_id: int, pad_id: int,
              sample_kw: dict) -> dict:
@@ -134,16 +129,39 @@ class Session:
         prompts, max_new_tokens=max_new_tokens, k=k, n=n, trees=trees, sampling=sampling,
         eos_id=eos_id, pad_id=pad_id, sample_kw=sample_kw))
 
-  def _probe(self, prompts, tree, *, k, max_new_tokens, sampling, eos_id, pad_id, sample_kw):
-    """(result, seconds per cycle, seconds besides the cycles) of `tree` (None: the chain of
-    k): `_run_probe`'s, or what the disk cache kept of it for this model and shape."""
-    key = self.disk and self._key(
+  def _probes(self, prompts, windows, *, max_new_tokens, sampling, eos_id, pad_id,
+              sample_kw) -> list:
+    """[(result, seconds per cycle, seconds besides the cycles)] of each window, (tree, k) (tree
+    None: the chain of k): what the disk cache kept of it for this model and shape, or measured
+    (`_run_probes`, the missing ones together)."""
+    width = max(len(p) for p in prompts)
+    keys = [self.disk and self._key(
         "probe", params=True, batch=len(prompts), max_new_tokens=max_new_tokens, k=k,
-        prompt_bucket=timing_cache.prompt_bucket(max(len(p) for p in prompts)),
+        prompt_bucket=timing_cache.prompt_bucket(width),
         window=f"chain:{k}" if tree is None else tree.name,
         lengths=list(probe_lengths(k if tree is None else tree.k, max_new_tokens)),
+        rounds=PROBE_ROUNDS,
         sampling={n: v for n, v in sample_kw.items() if n != "seed"} if sampling else None)
-    hit = self.disk.get(key) if key else None
+        for tree, k in windows]
+    out = [self._cached_probe(key) if key else None for key in keys]
+    missing = [i for i, o in enumerate(out) if o is None]
+    if missing:
+      t0 = time.perf_counter()
+      got = self._run_probes(prompts, [windows[i] for i in missing],
+                             max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
+                             pad_id=pad_id, sample_kw=sample_kw)
+      self.measured_seconds += time.perf_counter() - t0
+      for i, (r, cycle, fixed) in zip(missing, got):
+        out[i] = r, cycle, fixed
+        if keys[i]:
+          self.disk.put(keys[i], {"rows_hist": np.asarray(r.rows_hist).tolist(),
+                                  "forwards": r.forwards,
+                                  "tokens_per_forward": r.tokens_per_forward,
+                                  "cycle_seconds": cycle, "fixed_seconds": fixed})
+    return out
+
+  def _cached_probe(self, key):
+    hit = self.disk.get(key)
     try:
       if hit is not None:
         return (_Probe(np.asarray(hit["rows_hist"], np.int64), int(hit["forwards"]),
@@ -152,37 +170,39 @@ class Session:
     except (KeyError, TypeError, ValueError) as e:
       log.warning("timing cache: ignoring a probe entry (%s: %s); probing again",
                   type(e).__name__, e)
-    t0 = time.perf_counter()
-    r, cycle_seconds, fixed_seconds = self._run_probe(
-        prompts, tree, k=k, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
-        pad_id=pad_id, sample_kw=sample_kw)
-    self.measured_seconds += time.perf_counter() - t0
-    if key:
-      self.disk.put(key, {"rows_hist": np.asarray(r.rows_hist).tolist(), "forwards": r.forwards,
-                          "tokens_per_forward": r.tokens_per_forward,
-                          "cycle_seconds": cycle_seconds, "fixed_seconds": fixed_seconds})
-    return r, cycle_seconds, fixed_seconds
+    return None
 
-  def _run_probe(self, prompts, tree, *, k, max_new_tokens, sampling, eos_id, pad_id,
-                 sample_kw):
-    """(result, seconds per cycle, seconds besides the cycles) of `tree` (None: the chain of k)
-    on the call's prompts: runs of the two `probe_lengths`, the fastest of 3 interleaved rounds
-    each; the slope between them is a cycle, and what the short run spent beyond its cycles
+  def _run_probes(self, prompts, windows, *, max_new_tokens, sampling, eos_id, pad_id,
+                  sample_kw) -> list:
+    """[(result, seconds per cycle, seconds besides the cycles)] of each window, (tree, k) (tree
+    None: the chain of k), on the call's prompts. Timed: PROBE_ROUNDS rounds, each running
+    every window's two `probe_lengths` runs, a short one and the whole call (interleaved, so the
+    windows' cycles see the same moments: S is their ratio); a cycle is the median over rounds
+    of the difference of the two, per cycle, and what the short run spent beyond its cycles is
     the call's fixed part (its prefill, the call itself: with 128 new tokens at 0.3 ms a plain
-    step, a prefill of 256 tokens and the call were a third of plain decoding's time here)."""
-    dec = Decoder(self.params, self.args, k=k, batch=len(prompts),
-                  prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
-                  sampling=sampling, tree=tree)
-    lengths = probe_lengths(k if tree is None else tree.k, max_new_tokens)
-    runs = {c: [] for c in lengths}
-    for _ in range(3):
-      for c, rs in runs.items():
-        rs.append(dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c, **sample_kw))
-    short, full = (runs[c] for c in lengths)
-    r = full[0]  # the acceptance histograms (every round decodes the same)
-    t_short = min(x.seconds for x in short)
-    cycle = (min(x.seconds for x in full) - t_short) / max(r.forwards - short[0].forwards, 1)
-    return r, cycle, max(t_short - short[0].forwards * cycle, 0.0)
+    step, a prefill of 256 tokens and the call were a third of plain decoding's time here). The
+    result (its acceptance) is the whole call's: acceptance drifts over a decode (greedy rows of
+    the byte model at batch 8 passed 1.3 drafts a cycle in the first 12 cycles and 0.1 after:
+    the batch's a was 1.09, and 12 cycles predicted 1.30)."""
+    runs = []
+    for tree, k in windows:
+      dec = Decoder(self.params, self.args, k=k, batch=len(prompts),
+                    prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
+                    sampling=sampling, tree=tree)
+      runs.append((lambda c, dec=dec: dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c,
+                                          **sample_kw),
+                   probe_lengths(k if tree is None else tree.k, max_new_tokens)))
+    rounds = [[tuple(run(c) for c in lengths) for run, lengths in runs]
+              for _ in range(PROBE_ROUNDS)]
+    out = []
+    for i in range(len(windows)):
+      timed = [r[i] for r in rounds]
+      short, full = timed[0]
+      n_short, n_more = short.forwards, max(full.forwards - short.forwards, 1)
+      cycle = float(np.median([(f.seconds - s.seconds) / n_more for s, f in timed]))
+      fixed = float(np.median([s.seconds for s, _ in timed])) - n_short * cycle
+      out.append((full, cycle, max(fixed, 0.0)))
+    return out
 
   def _decide(self, prompts, *, max_new_tokens, k, n, trees, sampling, eos_id, pad_id,
               sample_kw) -> dict:
@@ -197,24 +217,28 @@ class Session:
                   + (f", read from {self.disk.root} where kept)" if self.disk else ")"))
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
               sample_kw=sample_kw)
-    r, cycle_seconds, fixed = self._probe(prompts, probe if trees else None, k=probe.k, **kw)
-    _, plain_cycle_seconds, plain_fixed = self._probe(prompts, None, k=1, **kw)  # plain's loop
+    (r, cycle_seconds, fixed), (_, plain_cycle_seconds, plain_fixed) = self._probes(
+        prompts, [(probe if trees else None, probe.k), (None, 1)], **kw)  # and plain's loop
     context = timing_cache.prompt_bucket(width) + max_new_tokens // 2
 
     one, floor = costmodel.chain(1), costmodel.floor_window(cands)
     timing = dict(batch=batch, context=context)
     times = dict(self.forward_times([one, probe] + ([floor] if floor else []), **timing))
-    # The loops' own cost (acceptance, drafting, cache bookkeeping) beyond the forward: seconds
-    # per cycle over the window's forward timed in a loop (`costmodel.forward_times`), measured
-    # on the probe for every speculative candidate and on plain decoding's loop for T1.
-    loop_factor = max(1.0, cycle_seconds / times[probe])
-    plain_loop_factor = max(1.0, plain_cycle_seconds / times[one])
+    # The loops' own cost (acceptance, drafting, cache bookkeeping) beyond the forward: the
+    # probes' cycles over the windows' forwards timed in a loop (`costmodel.forward_times`), so
+    # T1 is plain decoding's measured step and the probe's window its measured cycle; another
+    # candidate's T is the probe's cycle scaled by the two windows' forward times (timed
+    # together, one scale). Not clamped at 1: a forward timed slow would pass into T unscaled
+    # (docs/decoding.md, "Where auto bets").
+    loop_factor = cycle_seconds / times[probe]
+    plain_loop_factor = plain_cycle_seconds / times[one]
+    own = {probe: (cycle_seconds, fixed)}  # windows whose own loop was measured: (T, F)
     seconds = lambda c: (times[one] * plain_loop_factor,
-                         None if c not in times else
+                         own[c][0] if c in own else None if c not in times else
                          times[c] * (loop_factor if c.k > 1 else plain_loop_factor))
     pessimism = dict(max_new_tokens=max_new_tokens)  # the expected slowest row
     # each call's fixed part: plain decoding's from its probe, every candidate's from the probe's
-    fixed_of = lambda c: (plain_fixed, fixed if c.k > 1 else plain_fixed)
+    fixed_of = lambda c: (plain_fixed, own[c][1] if c in own else fixed if c.k > 1 else plain_fixed)
     # Only the windows that could win are compiled and timed: a candidate's S is at most its a
     # with the floor window's time (`costmodel.bounds`); under the best S timed so far (or
     # MIN_GAIN) it cannot be chosen.
@@ -228,6 +252,20 @@ class Session:
 
     picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, bound=bound,
                               a_of=a_of, **pessimism)
+    # Before betting, the pick's own decoding loop is probed (its cycle, fixed part and a over
+    # the whole call) and it is chosen again: forward programs compiled apart ran up to 35% apart
+    # at batch 8 here, a decoder's cycle within 3% (docs/decoding.md, "Where auto bets").
+    for _ in range(VERIFY_PICKS):
+      best = picked["tree"]
+      if best.k == 1 or best in own:
+        break
+      (rb, *own[best]), = self._probes(
+          prompts, [(best if tree_lib.is_tree(best) else None, best.k)], **kw)
+      a_of[best] = costmodel.predict_a(rb.rows_hist, best, best, **pessimism)
+      picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, bound=bound,
+                                a_of=a_of, **pessimism)
+    for row in picked["table"]:
+      row["own_loop"] = any(row["tree"] == c.name for c in own)  # T measured on its loop
     best = picked.pop("tree")
     if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
       picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism,
@@ -253,10 +291,9 @@ class Session:
     """`tree=auto`'s dynamic candidate: dynamic:N over heads 2..k, N the node count of the static
     tree of highest predicted S (or bound, where not timed); its a from a probe of its own (the
     slowest row's, smoothed as `costmodel.predict_a` does, from its histogram by depth), its T
-    from its window's timed forward times its probe's own loop factor. (picked, best) again,
-    with it in the table, and chosen where its S is the highest and at least MIN_GAIN. Probed
-    only where its own bound (`costmodel.dynamic_bound`) reaches the best S and MIN_GAIN; else
-    its row holds the bound."""
+    its probe's measured cycle. (picked, best) again, with it in the table, and chosen where its
+    S is the highest and at least MIN_GAIN. Probed only where its own bound
+    (`costmodel.dynamic_bound`) reaches the best S and MIN_GAIN; else its row holds the bound."""
     static = [row for row in picked["table"] if row["nodes"] > row["heads"]]  # not chains
     if not static:
       return picked, best
@@ -268,15 +305,12 @@ class Session:
     if bound < max(costmodel.MIN_GAIN, picked["S_predicted"]):
       row = costmodel.table_row(dyn, a, a, top["forward_1_seconds"], None, bound=bound)
       return dict(picked, table=picked["table"] + [row]), best
-    r, cycle_seconds, fixed = self._probe(prompts, dyn, k=k, **kw)
-    width = timing_cache.prompt_bucket(max(len(p) for p in prompts))
-    t = self.forward_times([costmodel.chain(1), dyn], batch=len(prompts),
-                           context=width + kw["max_new_tokens"] // 2)
+    (r, cycle_seconds, fixed), = self._probes(prompts, [(dyn, k)], **kw)
     a = costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k), **pessimism)
-    T = t[dyn] * max(1.0, cycle_seconds / t[dyn])
-    row = costmodel.table_row(
+    row = costmodel.table_row(  # its T: its probe's measured cycle
         dyn, a, costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k)),
-        top["forward_1_seconds"], T, kw["max_new_tokens"], top["fixed_1_seconds"], fixed)
+        top["forward_1_seconds"], cycle_seconds, kw["max_new_tokens"], top["fixed_1_seconds"],
+        fixed)
     picked = dict(picked, table=picked["table"] + [row])
     if row["S_predicted"] >= max(costmodel.MIN_GAIN, picked["S_predicted"]):
       return dict(picked, S_predicted=row["S_predicted"], a_predicted=a), dyn

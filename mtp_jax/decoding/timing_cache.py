@@ -16,6 +16,7 @@ by the next measurement); a failed write is a warning too, never an error of the
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -121,3 +122,22 @@ class DiskCache:
       os.replace(tmp, self.path(key))
     except (OSError, TypeError, ValueError) as e:
       log.warning("timing cache: could not write to %s (%s)", self.root, e)
+
+
+class Bounded:
+  """At most `size` entries, the least recently used dropped first: what a `session.Session` keeps
+  in memory (its choices, its forward times per shape)."""
+
+  def __init__(self, size: int):
+    self.size, self._d = size, collections.OrderedDict()
+
+  def get(self, key, make):
+    if key not in self._d:
+      self._d[key] = make()
+      if len(self._d) > self.size:
+        self._d.popitem(last=False)
+    self._d.move_to_end(key)
+    return self._d[key]
+
+  def __len__(self) -> int:
+    return len(self._d)

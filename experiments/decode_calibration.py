@@ -10,7 +10,8 @@ from mtp_jax.decoding import costmodel
 
 def candidate_off_by(auto_rec, cell) -> list[dict]:
   """auto's own prediction for each candidate it weighed (its table: the pessimistic a, the
-  timed forwards, the probes' loop factors) against the S that candidate measured in the same
+  timed forwards, the probes' loop factors; `own_loop`: its T measured on its own decoding loop,
+  as auto does for its picks) against the S that candidate measured in the same
   cell when it ran as a fixed variant: the cost model as auto uses it, judged on every
   candidate, not only on the one it picked. Candidates auto did not time (`costmodel.bounds`):
   their bound against the S they measured, in the second list."""
@@ -27,7 +28,8 @@ def candidate_off_by(auto_rec, cell) -> list[dict]:
       out.append({"variant": x["variant"], "S_predicted": row["S_predicted"],
                   "a_predicted": row["a_predicted"], "S_measured": x["S_measured"],
                   "a_batch": x.get("a_batch"), "off_by": row["S_predicted"] / x["S_measured"] - 1,
-                  "predicts_speculation": bool(row["S_predicted"] >= costmodel.MIN_GAIN)})
+                  "predicts_speculation": bool(row["S_predicted"] >= costmodel.MIN_GAIN),
+                  "own_loop": bool(row.get("own_loop"))})  # its T its own loop's, measured
   return out, bounds
 
 

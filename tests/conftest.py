@@ -224,13 +224,14 @@ def bench_accel_on_sequential_workdir(target: str, tmp_path, a_batch: float) -> 
     aot_decode.BATCHES = batches
 
 
-def force_costs(monkeypatch, seconds):
+def force_costs(monkeypatch, seconds, loop_seconds=None):
   """auto's cost model on given costs: seconds(window) -> a window's forward time (a Tree or
-  Dynamic; the chain of k for a chain), used for `costmodel.forward_times` and for the probes'
-  measured cycles (the windows' loops cost their forward, no fixed part); the probes' acceptance
-  stays real. Returns the windows timed, in order."""
+  Dynamic; the chain of k for a chain), for `costmodel.forward_times`; loop_seconds(window)
+  (default: seconds) its probe's measured cycle (no fixed part); the probes' acceptance stays
+  real. Returns the windows timed, in order."""
   from mtp_jax.decoding import costmodel, session
   timed, run_probes = [], session.Session._run_probes
+  loop_seconds = loop_seconds or seconds
 
   def forward_times(params, args, trees, **kw):
     timed.extend(trees)
@@ -238,7 +239,7 @@ def force_costs(monkeypatch, seconds):
 
   def probes(self, prompts, windows, **kw):
     got = run_probes(self, prompts, windows, **kw)
-    return [(r, seconds(costmodel.chain(k) if tree is None else tree), 0.0)
+    return [(r, loop_seconds(costmodel.chain(k) if tree is None else tree), 0.0)
             for (tree, k), (r, _, _) in zip(windows, got)]
 
   monkeypatch.setattr(costmodel, "forward_times", forward_times)

@@ -204,6 +204,25 @@ def test_auto_heads_follow_the_cost_model(trained, monkeypatch, tk_over_t1, want
   assert r.auto["S_predicted"] == (1.0 if want == 1 else table[4]["S_predicted"])
 
 
+@pytest.mark.slow  # its trained fixture
+def test_auto_checks_its_pick_on_its_own_loop(trained, monkeypatch):
+  """The forwards say heads 1..3 cost what one token does, but their own loop costs 10x: auto
+  probes its pick (heads 1..3) before betting, finds it would lose, chooses again (heads 1..2,
+  whose loop is as cheap as its forward) and checks that one too; the output is greedy's."""
+  args, params = trained
+  probed = []
+  wins = lambda t: t.k < 4  # forwards: the chain of 4 (the probe) 10x, the others 1
+  force_costs(monkeypatch, lambda t: 1.0 if wins(t) else 10.0,
+              lambda t: probed.append(t.name) or (1.0 if t.k in (1, 2) else 10.0))
+  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
+  r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)
+  assert_same(decode_lib.plain(params, args, RAGGED, **kw), r)
+  assert probed == ["1,1,1", "", "1,1", "1"] and r.heads == 2, (probed, r.auto)
+  table = {row["heads"]: row for row in r.auto["table"]}
+  assert [h for h, row in table.items() if row["own_loop"]] == [2, 3, 4]
+  assert table[3]["S_predicted"] < 1 < table[2]["S_predicted"] == r.auto["S_predicted"]
+
+
 # Heavy tier (~22 s: four decodes compiled twice): make test checks the slot forward against the
 # every-token one directly (tests/test_two_phase.py), states and caches.
 @pytest.mark.slow

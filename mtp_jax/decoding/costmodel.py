@@ -7,9 +7,9 @@ Tk a k-token (N-token) forward with heads 1..k, both timed on their own with the
 and context (`forward_seconds`; a `decode.Session` keeps them per shape). A batch runs until its
 slowest row is done, so the a that counts is the slowest row's.
 
-Acceptance comes from a probe: a few cycles of the largest candidate (the chain of all heads,
-or the union of the candidate trees) on the call's own prompts, recording for every row which
-node was the deepest accepted one in each cycle (for a chain: how many drafts passed, the
+Acceptance comes from a probe: the whole call decoded with the largest candidate (the chain of
+all heads, or the union of the candidate trees) on the call's own prompts, recording for every
+row which node was the deepest accepted one in each cycle (for a chain: how many drafts passed, the
 per-depth conditional acceptance P(d_j | d_{j-1}) in histogram form). Every candidate is a
 sub-tree of the probe (a chain of k' heads: the first k'-1 depths, one candidate each; a tree
 c'_1,..,c'_D with c'_d <= c_d), and in greedy decoding the accepted path is the greedy
@@ -28,7 +28,8 @@ measured on the probe for the candidates and on a plain decoding loop for plain 
 (`decode.Session`), so both sides of S carry their loop; the same probes give each call's
 fixed part (prefill, the call), and the S compared is the call's (`call_speedup`). The choice
 is the candidate of highest predicted S, plain decoding (S = 1) unless a candidate beats it by
-MIN_GAIN.
+MIN_GAIN; a pick other than the probe's window is probed on its own loop and chosen again
+before auto bets on it (`decode.Session`).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def probe_lengths(k: int, max_new_tokens: int) -> tuple[int, None]:
   """(short, None): the cycles of a probe's two timed runs, None the whole call (max_new_tokens
   tokens a row). Short: PROBE_CYCLES of a speculative window, PLAIN_PROBE_STEPS of plain
   decoding (k 1), at most half the whole call's cycles. The whole call, since a window of 4
-  and 12 cycles (8 and 48 plain steps) left a cycle off by up to 40% at batch 1 on a CPU (the
+  and 12 cycles (12 and 48 plain steps) left a cycle off by up to 40% at batch 1 on a CPU (the
   difference of two short calls is within their jitter), and since acceptance drifts over a
   decode (docs/decoding.md, "Where auto bets")."""
   short = PROBE_CYCLES if k > 1 else PLAIN_PROBE_STEPS

@@ -228,6 +228,22 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   assert dyn["tree"] == f"dynamic:{static['nodes']}" and dyn["a_predicted"] > 1
 
 
+def test_auto_probes_a_candidate_near_the_bar(model, monkeypatch):
+  """Every speculative candidate's a 2: the forwards put heads 1..2 at S 1.0, under MIN_GAIN
+  (1.05) but within VERIFY_NEAR of it, and its own loop at S 2: auto probes it and bets on it
+  (the others, at S 0.02, are not probed); the output is greedy's."""
+  args, params = model
+  cm, probed = decode_lib.costmodel, []
+  monkeypatch.setattr(cm, "predict_a", lambda hist, probe, cand, **kw: 2.0 if cand.k > 1 else 1.0)
+  force_costs(monkeypatch, lambda t: {1: 1.0, 2: 2.0}.get(t.k, 100.0),
+              lambda t: probed.append(t.name) or {1: 1.0, 2: 1.0}.get(t.k, 100.0))
+  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
+  r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)
+  np.testing.assert_array_equal(r.tokens, decode_lib.plain(params, args, RAGGED, **kw).tokens)
+  assert probed == [cm.chain(args.n_future).name, "", "1"] and r.heads == 2, (probed, r.auto)
+  assert r.auto["S_predicted"] == pytest.approx(2.0)
+
+
 def test_tree_auto_times_only_windows_that_could_win(model, monkeypatch):
   """Every window but one token's 10x as costly: no candidate's bound (its a with the floor
   window's time) reaches MIN_GAIN, so only T1, the probe's window and the floor are timed, the

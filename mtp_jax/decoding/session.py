@@ -27,6 +27,8 @@ PROBE_CYCLES = 4  # cycles of a speculative window's short timed run (`probe_len
 PLAIN_PROBE_STEPS = 12  # plain decoding's steps in its short timed run (`probe_lengths`)
 PROBE_ROUNDS = 3  # timed rounds of a probe's two runs (`Session._run_probes`)
 VERIFY_PICKS = 2  # picks whose own loop auto probes before it bets (`Session._decide`)
+VERIFY_NEAR = 0.9  # ... and candidates predicted this close to MIN_GAIN: a T from forward
+# ratios was off by up to 20% at batch 1 (chain:2 predicted 0.99, measured 1.22)
 CACHE_SIZE = 32  # entries a Session keeps of each cache (the least recently used go first)
 
 
@@ -255,12 +257,15 @@ class Session:
 
     picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, bound=bound,
                               a_of=a_of, **pessimism)
-    # Before betting, the pick's own decoding loop is probed (its cycle, fixed part and a over
-    # the whole call) and it is chosen again: forward programs compiled apart ran up to 35% apart
-    # at batch 8 here, a decoder's cycle within 3% (docs/decoding.md, "Where auto bets").
+    # Before betting, the best speculative candidate's own decoding loop is probed (its cycle,
+    # fixed part and a over the whole call) where it is the pick or near it, and auto chooses
+    # again: forward programs compiled apart ran up to 35% apart at batch 8 here, a decoder's
+    # cycle within 3% (docs/decoding.md, "Where auto bets").
     for _ in range(VERIFY_PICKS):
-      best = picked["tree"]
-      if best.k == 1 or best in own:
+      rows = [(row["S_predicted"], c) for row, c in zip(picked["table"], cands)
+              if c.k > 1 and row["S_predicted"] is not None]
+      top, best = max(rows, key=lambda x: x[0], default=(0.0, None))
+      if top < VERIFY_NEAR * costmodel.MIN_GAIN or best in own:
         break
       (rb, *own[best]), = self._probes(
           prompts, [(best if tree_lib.is_tree(best) else None, best.k)], **kw)

@@ -172,3 +172,17 @@ def test_probes_time_a_short_run_against_the_whole_call(model, monkeypatch):
   assert seen == [12, 4] + [12, None, 4, None] * session_lib.PROBE_ROUNDS, seen
   assert seconds > 0 and fixed >= 0, (seconds, fixed)
   assert plain.lengths.min() == chain.lengths.min() == 32, (plain.lengths, chain.lengths)
+
+
+def test_a_window_missing_from_the_disk_joins_what_the_disk_kept(model, cache, counted):
+  """A later session asks for a window the disk kept and one it did not: only the new one is
+  timed, beside the kept one (its reference), and put on the kept one's scale."""
+  args, params = model
+  chain = costmodel.chain
+  first = session_lib.Session(params, args, disk=cache)
+  kept = first.forward_times([chain(1), chain(2)], batch=2, context=8)
+  assert counted["windows"] == 2
+  later = session_lib.Session(params, args, disk=timing_cache.default())
+  got = later.forward_times([chain(1), chain(3)], batch=2, context=8)
+  assert counted["windows"] == 4  # chain(3), and chain(1) again as the reference
+  assert got == {chain(1): kept[chain(1)], chain(3): pytest.approx(1.03)}

@@ -101,13 +101,13 @@ class Session:
     got = {t: float(v) for t, v in got.items() if isinstance(v, (int, float))}
     missing = [t for t in trees if t not in got]
     if missing:
-      ref = dict(known, **got)  # what this shape holds already: the new times join its scale
-      ref = max(ref, key=lambda t: (t.n_nodes, t.k)) if ref else None
+      have = {**known, **got}  # what this shape holds already: the new times join its scale
+      ref = max(have, key=lambda t: (t.n_nodes, t.k)) if have else None
       t0 = time.perf_counter()
       new = costmodel.forward_times(self.params, self.args, missing + ([ref] if ref else []),
                                     batch=batch, context=context, reps=reps)
       self.measured_seconds += time.perf_counter() - t0
-      scale = dict(known, **got)[ref] / new[ref] if ref else 1.0
+      scale = have[ref] / new[ref] if ref else 1.0
       got.update({t: new[t] * scale for t in missing})
       for t in missing if self.disk else ():
         self.disk.put(key(t), got[t])
@@ -180,18 +180,17 @@ class Session:
     None: the chain of k), on the call's prompts. Timed, after a short run of each:
     PROBE_ROUNDS rounds, each running every window's two `probe_lengths` runs, a short one and
     the whole call (interleaved, so the windows' cycles see the same moments: S is their
-    ratio); a cycle is the median over rounds
-    of the difference of the two, per cycle, and what the short run spent beyond its cycles is
-    the call's fixed part (its prefill, the call itself: with 128 new tokens at 0.3 ms a plain
-    step, a prefill of 256 tokens and the call were a third of plain decoding's time here). The
-    result (its acceptance) is the whole call's: acceptance drifts over a decode (greedy rows of
-    the byte model at batch 8 passed 1.3 drafts a cycle in the first 12 cycles and 0.1 after:
-    the batch's a was 1.09, and 12 cycles predicted 1.30)."""
-    runs = []
+    ratio); a cycle is the median over rounds of the difference of the two, per cycle, and what
+    the short run spent beyond its cycles is the call's fixed part (its prefill, the call
+    itself: with 128 new tokens at 0.3 ms a plain step, a prefill of 256 tokens and the call
+    were a third of plain decoding's time here). The result (its acceptance) is the whole
+    call's: acceptance drifts over a decode (greedy rows of the byte model at batch 8 passed 1.3
+    drafts a cycle in the first 12 cycles and 0.1 after: the batch's a was 1.09, and 12 cycles
+    predicted 1.30)."""
+    runs, width = [], max(len(p) for p in prompts)
     for tree, k in windows:
-      dec = Decoder(self.params, self.args, k=k, batch=len(prompts),
-                    prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
-                    sampling=sampling, tree=tree)
+      dec = Decoder(self.params, self.args, k=k, batch=len(prompts), prompt_len=width,
+                    max_new_tokens=max_new_tokens, sampling=sampling, tree=tree)
       runs.append((lambda c, dec=dec: dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c,
                                           **sample_kw),
                    probe_lengths(k if tree is None else tree.k, max_new_tokens)))
@@ -267,13 +266,14 @@ class Session:
       top, best = max(rows, key=lambda x: x[0], default=(0.0, None))
       if top < VERIFY_NEAR * costmodel.MIN_GAIN or best in own:
         break
-      (rb, *own[best]), = self._probes(
+      (rb, t_best, f_best), = self._probes(
           prompts, [(best if tree_lib.is_tree(best) else None, best.k)], **kw)
+      own[best] = t_best, f_best
       a_of[best] = costmodel.predict_a(rb.rows_hist, best, best, **pessimism)
       picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, bound=bound,
                                 a_of=a_of, **pessimism)
-    for row in picked["table"]:
-      row["own_loop"] = any(row["tree"] == c.name for c in own)  # T measured on its loop
+    for row, c in zip(picked["table"], cands):
+      row["own_loop"] = c in own  # T measured on its own loop
     best = picked.pop("tree")
     if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
       picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism,

@@ -12,7 +12,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import random_params, tiny_config
+from conftest import force_costs, random_params, tiny_config
 
 from mtp_jax.decoding import costmodel, timing_cache
 from mtp_jax.decoding import decode as decode_lib
@@ -39,20 +39,17 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def counted(monkeypatch):
-  """Counts probes run and windows timed (timings faked: cheap windows, so a chain can win)."""
+  """Counts probes run and windows timed (forward times and the probes' cycles faked: cheap
+  windows, so a chain can win; with the probes' real cycles the choice was the clock's)."""
   calls = {"probes": 0, "windows": 0}
-  run_probes = session_lib.Session._run_probes
 
-  def probe(self, prompts, windows, **kw):
-    calls["probes"] += len(windows)
-    return run_probes(self, prompts, windows, **kw)
+  def count(what):
+    def cost(t):
+      calls[what] += 1
+      return 1.0 + 0.01 * t.k
+    return cost
 
-  def forward_times(params, args, trees, **kw):
-    calls["windows"] += len(trees)
-    return {t: 1.0 + 0.01 * t.k for t in trees}
-
-  monkeypatch.setattr(session_lib.Session, "_run_probes", probe)
-  monkeypatch.setattr(costmodel, "forward_times", forward_times)
+  force_costs(monkeypatch, count("windows"), count("probes"))
   return calls
 
 
@@ -67,7 +64,9 @@ def test_a_warm_cache_decides_without_probing(model, cache, counted):
   args, params = model
   kw = dict(max_new_tokens=16, k="auto", tree=None, eos_id=-1, pad_id=PAD)
   first = decode_lib.resolve(params, args, PROMPTS, disk=cache, **kw)
-  assert counted["probes"] == 2 and counted["windows"] > 0  # the chain of all heads, and plain
+  # the chain of all heads, plain, and the best speculative candidate (near the bar) on its own
+  assert counted["probes"] == 3 and counted["windows"] > 0
+  assert [row["heads"] for row in first[2]["table"] if row["own_loop"]] == [2, 3]
   assert first[2]["measured_seconds"] > 0 and first[2]["cache"] == cache.root
   seen = dict(counted)
   second = decode_lib.resolve(params, args, PROMPTS, disk=timing_cache.default(), **kw)
@@ -78,7 +77,7 @@ def test_a_warm_cache_decides_without_probing(model, cache, counted):
   shifted = jax.tree.map(lambda x: x * 1.01, params)
   assert timing_cache.fingerprint(shifted) != timing_cache.fingerprint(params)
   decode_lib.resolve(shifted, args, PROMPTS, disk=cache, **kw)
-  assert counted["probes"] == seen["probes"] + 2 and counted["windows"] == seen["windows"]
+  assert counted["probes"] == seen["probes"] + 3 and counted["windows"] == seen["windows"]
 
 
 def test_a_corrupt_file_is_ignored_with_a_warning(model, cache, counted, caplog):
@@ -94,7 +93,7 @@ def test_a_corrupt_file_is_ignored_with_a_warning(model, cache, counted, caplog)
   with caplog.at_level(logging.WARNING):
     again = decode_lib.resolve(params, args, PROMPTS, disk=cache, **kw)
   assert "timing cache: ignoring" in caplog.text
-  assert counted["probes"] == seen["probes"] + 2 and again[:2] == first[:2]
+  assert counted["probes"] == seen["probes"] + 3 and again[:2] == first[:2]
   third = decode_lib.resolve(params, args, PROMPTS, disk=cache, **kw)  # rewritten: read again
   assert third[2]["measured_seconds"] == 0
   key = {"what": "x"}
@@ -138,7 +137,7 @@ def test_evaluation_decides_from_the_cache_and_says_so(model, cache, counted):
     gen = passk.generate_completions(loaded, PROMPTS * 2, progress=lines.append, **kw)
     runs.append((dict(counted), lines, gen.tokens))
   (after_first, first, tokens1), (after_second, second, tokens2) = runs
-  assert after_first["probes"] == 2 and after_second == after_first  # nothing probed again
+  assert after_first["probes"] == 3 and after_second == after_first  # nothing probed again
   assert [t.tolist() for t in tokens1] == [t.tolist() for t in tokens2]
   assert first[0].startswith("auto: deciding for batch 3, prompt width 56, 8 new tokens")
   assert f"read from {cache.root} where kept" in first[0]

@@ -92,6 +92,14 @@ class _Manager(ocp.CheckpointManager):
     del step
     return False
 
+  def close(self):
+    """Also joins the clean-up of temporary folders that orbax starts in a thread when it opens
+    the directory and otherwise joins only in `save`: a run that stops before saving (a bad
+    resume) would exit with it still running, and at exit it fails to schedule its file work
+    (`RuntimeError: cannot schedule new futures after shutdown`, after the run's own error)."""
+    self._maybe_await_cleanup_tmp_directory()
+    super().close()
+
 
 class Checkpointer:
   """Saves and restores (state, data-iterator state) per step, keeping the last `keep` steps.

@@ -171,23 +171,28 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   rows = shard_lib.local_rows(config.train.batch_size, batch_sh)
   ckpt = Checkpointer(workdir_lib.checkpoints_dir(workdir), keep=config.train.keep_checkpoints,
                       async_save=config.train.async_checkpoints, timeout_s=timeout)
-  packs_all = rows_lib.unsupported_on_resume(config.data, ckpt.saved_data_state())
-  if not packs_all:
-    train_it = rows_lib.make_local_iterator(config, rows)
-  elif n_processes > 1 and primary:
-    print(f"warning: every process packs the whole global batch ({packs_all}); prepare the "
-          "corpus once with `python -m mtp_jax.data.prepare` to read only each process's rows",
-          file=sys.stderr, flush=True)
-  whole = bool(packs_all) or rows == [(0, config.train.batch_size)]  # the batch is all here
-  put = (lambda b: shard_lib.shard_batch(b, batch_sh)) if whole else (
-      lambda b: rows_lib.put_local_rows(b, batch_sh, rows, config.train.batch_size))
-  restored = ckpt.restore_latest(training.abstract_state(), train_it)
-  if restored is None and config.train.init_from:  # a new run from imported or trained params
-    state = workdir_lib.init_state_from(model, training.tx, config, mesh, config.train.init_from)
-  elif restored is None:
-    state = training.init_state(config.seed)
-  else:
-    state = restored[0]
+  try:  # a bad resume closes orbax's manager: its background clean-up of temporary folders
+    # must not outlive the interpreter (a traceback after the one-line error)
+    packs_all = rows_lib.unsupported_on_resume(config.data, ckpt.saved_data_state())
+    if not packs_all:
+      train_it = rows_lib.make_local_iterator(config, rows)
+    elif n_processes > 1 and primary:
+      print(f"warning: every process packs the whole global batch ({packs_all}); prepare the "
+            "corpus once with `python -m mtp_jax.data.prepare` to read only each process's rows",
+            file=sys.stderr, flush=True)
+    whole = bool(packs_all) or rows == [(0, config.train.batch_size)]  # the batch is all here
+    put = (lambda b: shard_lib.shard_batch(b, batch_sh)) if whole else (
+        lambda b: rows_lib.put_local_rows(b, batch_sh, rows, config.train.batch_size))
+    restored = ckpt.restore_latest(training.abstract_state(), train_it)
+    if restored is None and config.train.init_from:  # a new run from imported or trained params
+      state = workdir_lib.init_state_from(model, training.tx, config, mesh, config.train.init_from)
+    elif restored is None:
+      state = training.init_state(config.seed)
+    else:
+      state = restored[0]
+  except BaseException:
+    ckpt.close()
+    raise
   start, steps = int(state.step), config.train.steps
   end = min(config.train.stop_at or steps, steps)
   n_params = param_count(state.params)

@@ -279,3 +279,25 @@ def test_failed_commit_keeps_the_last_good_step(tmp_path, monkeypatch):
     assert c.save(3, make_state(seed=3, step=3))
     c.wait()
   assert [p for p in sorted(os.listdir(tmp_path)) if "tmp" not in p] == ["3"]
+
+
+def test_close_joins_the_clean_up_of_temporary_folders(tmp_path, monkeypatch):
+  """A Checkpointer closed before any save (a run stopped by a bad resume) has finished orbax's
+  clean-up of an unfinished save's folder: left running, it fails at interpreter exit with a
+  traceback after the run's one-line error. The clean-up is slowed so a close that does not
+  join it returns first."""
+  import asyncio
+
+  from orbax.checkpoint._src.path import atomicity_types, temporary_paths
+  found = temporary_paths.all_temporary_paths
+
+  async def slow(*args, **kwargs):
+    await asyncio.sleep(0.5)
+    return await found(*args, **kwargs)
+
+  monkeypatch.setattr(temporary_paths, "all_temporary_paths", slow)
+  save_steps(str(tmp_path), [1])
+  unfinished = tmp_path / f"2{atomicity_types.TMP_DIR_SUFFIX}1234"
+  unfinished.mkdir()
+  ckpt.Checkpointer(str(tmp_path)).close()
+  assert sorted(os.listdir(tmp_path)) == ["1"]

@@ -235,6 +235,23 @@ def plots(records, png_dir, prefix="decode_"):
   fig.savefig(os.path.join(png_dir, f"{prefix}speedup.png"), dpi=120)
 
 
+def write_calibration(records, json_path, machine=None) -> dict:
+  """Prints the grid's calibration, each mode's verdicts first, and writes it beside the
+  records' JSON (`<json>_calibration.json`) where there is one."""
+  cal = calibration(records)
+  for mode, c in cal.items():
+    if c.get("judged"):
+      print(f"{mode}: auto against the best variant {c['judged']}; the cost model where auto "
+            f"bet {c['cost_model_judged']}", flush=True)
+  print(json.dumps({"calibration": cal}), flush=True)
+  if json_path:
+    if machine:
+      cal["machine"] = machine
+    with open(os.path.splitext(json_path)[0] + "_calibration.json", "w") as f:
+      json.dump(common.stamp(cal), f, indent=2)
+  return cal
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workdir", default=None)
@@ -243,7 +260,8 @@ def main(argv=None):
   ap.add_argument("--png_prefix", default=None,
                   help="PNG names: PREFIXspeedup.png, ...; default: the --json (--replot) file's "
                        "name and _ (decode_ without one), so a run never overwrites another's")
-  ap.add_argument("--replot", default=None, help="a JSON this script wrote: only plot it")
+  ap.add_argument("--replot", default=None,
+                  help="a JSON this script wrote: its calibration and plots again, no decoding")
   ap.add_argument("--batches", default="1,8,32")
   ap.add_argument("--prompt_lens", default="64,256")
   ap.add_argument("--max_new_tokens", type=int, default=128)
@@ -263,8 +281,11 @@ def main(argv=None):
                      f"{args.png_prefix!r} (the folder is --png_dir)")
   if args.replot:
     with open(args.replot) as f:
-      plots(json.load(f), args.png_dir or os.path.dirname(os.path.abspath(args.replot)),
-            args.png_prefix)
+      records = json.load(f)
+    if records:  # the calibration again, from the records (its machine theirs, not this one's)
+      write_calibration(records, args.replot, machine=records[0].get("machine"))
+    plots(records, args.png_dir or os.path.dirname(os.path.abspath(args.replot)),
+          args.png_prefix)
     return
   if not args.workdir:
     raise SystemExit("error: --workdir: required (a training workdir)")
@@ -328,11 +349,7 @@ def main(argv=None):
           os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
           with open(args.json, "w") as f:
             json.dump(common.stamp(records), f, indent=2)
-  cal = calibration(records)
-  print(json.dumps({"calibration": cal}), flush=True)
-  if args.json:
-    with open(os.path.splitext(args.json)[0] + "_calibration.json", "w") as f:
-      json.dump(common.stamp(cal), f, indent=2)
+  write_calibration(records, args.json)
   png_dir = args.png_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)
   if png_dir:
     plots(records, png_dir, args.png_prefix)

@@ -7,6 +7,41 @@ import numpy as np
 
 from mtp_jax.decoding import costmodel
 
+HOLD = 0.95  # auto holds at this fraction of the best variant's S
+WITHIN = 0.15  # the cost model's allowance where it bets
+
+
+def judged(value: float, ci, lo: float, hi: float = float("inf")) -> str:
+  """'holds' where `value` lies in [lo, hi]; 'within the noise' where it does not but its 95%
+  interval `ci` meets [lo, hi] (the clock cannot tell); 'misses' where the interval is out."""
+  if lo <= value <= hi:
+    return "holds"
+  if ci is not None and ci[0] <= hi and ci[1] >= lo:
+    return "within the noise"
+  return "misses"
+
+
+def ratio_ci(base, other, level: float = 0.95, draws: int = 2000):
+  """The `level` bootstrap interval of median(base) / median(other), resampling the timed
+  rounds (base[i] and other[i] timed in round i): the interval of the ratio of medians that
+  S and auto_over_best are, where speed.paired_ci is the median of the rounds' ratios."""
+  b, o = np.asarray(base, float), np.asarray(other, float)
+  n = min(len(b), len(o))
+  idx = np.random.default_rng(0).integers(0, n, (draws, n))
+  r = np.median(b[:n][idx], axis=1) / np.maximum(np.median(o[:n][idx], axis=1), 1e-12)
+  q = (1 - level) / 2
+  return [float(np.quantile(r, q)), float(np.quantile(r, 1 - q))]
+
+
+def over_best_ci(r, best):
+  """The 95% interval of auto's S over the best variant's: median(best) / median(auto) over
+  resampled rounds (both timed in each round, so a change of load hits them alike); against
+  plain decoding (`best` None) auto's S. Records without their calls' seconds: auto's S_ci."""
+  if "speculative_seconds_all" not in r:
+    return r.get("S_ci") if best is None else None
+  base = r["greedy_seconds_all"] if best is None else best.get("speculative_seconds_all")
+  return None if base is None else ratio_ci(base, r["speculative_seconds_all"])
+
 
 def candidate_off_by(auto_rec, cell) -> list[dict]:
   """auto's own prediction for each candidate it weighed (its table: the pessimistic a, the
@@ -41,7 +76,11 @@ def calibration(records) -> dict:
   decoding is judged like any other, against a variant that beat plain decoding there). Each
   auto cell also says whether its S is known within +-10% (`S_ci`, the 95% interval of the
   median paired ratio), and, where auto bet on speculation, whether what it predicted when it
-  chose is within 15% of the clock (`cost_model_within_15pct`)."""
+  chose is within 15% of the clock (`cost_model_within_15pct`). Both verdicts also come with
+  their noise (`judged`, `cost_model_judged`: holds, within the noise, misses): auto over the
+  best variant with the 95% interval of their paired rounds (`auto_over_best_ci`), and the
+  prediction against the ends of auto's S interval (`off_by_auto_ci`), both intervals of ratios
+  of medians over resampled rounds (`ratio_ci`); each mode counts them."""
   out = {}
   for mode in dict.fromkeys(r["mode"] for r in records):
     rs = [r for r in records if r["mode"] == mode]
@@ -51,10 +90,14 @@ def calibration(records) -> dict:
       cell = [x for x in rs if (x["batch"], x["prompt_len"]) == (r["batch"], r["prompt_len"])
               and not x.get("auto")]
       best = max(cell, key=lambda x: x["S_measured"], default=None)
-      best_name, best_S = (("plain", 1.0) if best is None or best["S_measured"] < 1.0 else
-                           (best["variant"], best["S_measured"]))
+      if best is not None and best["S_measured"] < 1.0:
+        best = None  # plain decoding, S = 1
+      best_name, best_S = ("plain", 1.0) if best is None else (best["variant"], best["S_measured"])
       bet = r["heads"] > 1 or r["tree"] is not None
       weighed, bounded = candidate_off_by(r, cell)
+      ratio_ci = over_best_ci(r, best)
+      pred, S_ci = r["S_predicted_auto"], over_best_ci(r, None)
+      off_ci = None if S_ci is None else [pred / S_ci[1] - 1, pred / S_ci[0] - 1]
       autos.append({
           "batch": r["batch"], "prompt_len": r["prompt_len"], "variant": r["variant"],
           "chose": f"k={r['heads']}" + (f" tree {r['tree']}" if r["tree"] else ""),
@@ -62,9 +105,13 @@ def calibration(records) -> dict:
           "S_ci_within_10pct": r.get("S_ci_within_10pct"),
           "best_variant": best_name, "S_best": best_S,
           "auto_over_best": r["S_measured"] / best_S,
-          "holds": bool(r["S_measured"] >= 0.95 * best_S),
-          "S_predicted_auto": r["S_predicted_auto"], "off_by_auto": r["off_by_auto"],
-          "cost_model_within_15pct": bool(abs(r["off_by_auto"]) <= 0.15) if bet else None,
+          "auto_over_best_ci": ratio_ci,
+          "holds": bool(r["S_measured"] >= HOLD * best_S),
+          "judged": judged(r["S_measured"] / best_S, ratio_ci, HOLD),
+          "S_predicted_auto": pred, "off_by_auto": r["off_by_auto"], "off_by_auto_ci": off_ci,
+          "cost_model_within_15pct": bool(abs(r["off_by_auto"]) <= WITHIN) if bet else None,
+          "cost_model_judged": (judged(r["off_by_auto"], off_ci, -WITHIN, WITHIN)
+                                if bet else None),
           "candidates": weighed, "bounds": bounded,
           **{f: r.get(f) for f in ("S_with_decision", "S_with_decision_cached",
                                    "auto_decision_seconds", "auto_decision_seconds_cached")},
@@ -85,4 +132,7 @@ def calibration(records) -> dict:
                  "bounds_held": sum(c["held"] for c in bounds), "bounds_compared": len(bounds)}
     if autos:
       out[mode]["auto_holds"] = all(a["holds"] for a in autos)
+      for what in ("judged", "cost_model_judged"):
+        verdicts = [a[what] for a in autos if a[what]]
+        out[mode][what] = {v: verdicts.count(v) for v in ("holds", "within the noise", "misses")}
   return out

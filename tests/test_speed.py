@@ -4,7 +4,7 @@ verdict from bench_decode's records."""
 
 from __future__ import annotations
 
-
+import numpy as np
 import pytest
 
 from mtp_jax.decoding import speed
@@ -138,6 +138,33 @@ def test_calibration_judges_auto_against_the_best_variant_of_its_cell():
   assert cands[8] and by_batch[8]["bounds"] == [
       {"variant": "chain:2", "S_bound": 0.7, "S_measured": 0.65, "held": True}]
   assert (cal["bounds_held"], cal["bounds_compared"]) == (1, 1)
+
+
+def test_calibration_says_within_the_noise_where_the_clock_cannot_tell():
+  """auto at 0.90 of the best variant misses where their paired rounds agree (each round's
+  best/auto ratio near 0.90) and is within the noise where they scatter across 0.95; a bet
+  predicted 20% over the clock is within the noise where S's interval reaches 15%, and misses
+  where the interval is tight."""
+  from experiments import decode_calibration
+
+  def cell(spread):  # each round: plain 1.2 s, chain:2 1.0 s, auto 1/0.9 s +- spread
+    plain = dict(greedy_seconds_all=[1.2] * 9)
+    best = dict(record(1.2, [1.1, 1.3], "chain:2", 2), **plain, speculative_seconds_all=[1.0] * 9)
+    auto = dict(record(1.08, [1.0, 1.2], "auto", 2), **plain, S_predicted_auto=1.3,
+                off_by_auto=1.3 / 1.08 - 1,
+                speculative_seconds_all=list(1 / 0.9 + np.linspace(-spread, spread, 9)))
+    return decode_calibration.calibration([best, auto])["greedy"]
+
+  tight, noisy = cell(0.01), cell(0.2)
+  for cal, verdict in ((tight, "misses"), (noisy, "within the noise")):
+    (a,) = cal["auto"]
+    assert a["auto_over_best"] == pytest.approx(0.9) and not a["holds"]
+    assert (a["judged"], a["cost_model_judged"]) == (verdict, verdict)
+    assert a["cost_model_within_15pct"] is False
+    assert cal["judged"][verdict] == cal["cost_model_judged"][verdict] == 1
+  assert noisy["auto"][0]["auto_over_best_ci"][1] >= 0.95 > tight["auto"][0][
+      "auto_over_best_ci"][1]
+  assert decode_calibration.judged(0.96, None, 0.95) == "holds"
 
 
 def test_bench_decode_png_prefix_is_a_name_and_defaults_to_the_json(tmp_path, monkeypatch):

@@ -217,7 +217,7 @@ def test_auto_checks_its_pick_on_its_own_loop(trained, monkeypatch):
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)
   assert_same(decode_lib.plain(params, args, RAGGED, **kw), r)
-  assert probed == ["1,1,1", "", "1,1", "1"] and r.heads == 2, (probed, r.auto)
+  assert probed == ["1,1,1", "", "1,1", "", "1", ""] and r.heads == 2, (probed, r.auto)
   table = {row["heads"]: row for row in r.auto["table"]}
   assert [h for h, row in table.items() if row["own_loop"]] == [2, 3, 4]
   assert table[3]["S_predicted"] < 1 < table[2]["S_predicted"] == r.auto["S_predicted"]

@@ -65,7 +65,8 @@ def test_a_warm_cache_decides_without_probing(model, cache, counted):
   kw = dict(max_new_tokens=16, k="auto", tree=None, eos_id=-1, pad_id=PAD)
   first = decode_lib.resolve(params, args, PROMPTS, disk=cache, **kw)
   # the chain of all heads, plain, and the best speculative candidate (near the bar) on its own
-  assert counted["probes"] == 3 and counted["windows"] > 0
+  # loop, beside plain decoding again
+  assert counted["probes"] == 4 and counted["windows"] > 0
   assert [row["heads"] for row in first[2]["table"] if row["own_loop"]] == [2, 3]
   assert first[2]["measured_seconds"] > 0 and first[2]["cache"] == cache.root
   seen = dict(counted)
@@ -77,7 +78,7 @@ def test_a_warm_cache_decides_without_probing(model, cache, counted):
   shifted = jax.tree.map(lambda x: x * 1.01, params)
   assert timing_cache.fingerprint(shifted) != timing_cache.fingerprint(params)
   decode_lib.resolve(shifted, args, PROMPTS, disk=cache, **kw)
-  assert counted["probes"] == seen["probes"] + 3 and counted["windows"] == seen["windows"]
+  assert counted["probes"] == seen["probes"] + 4 and counted["windows"] == seen["windows"]
 
 
 def test_a_corrupt_file_is_ignored_with_a_warning(model, cache, counted, caplog):
@@ -93,7 +94,7 @@ def test_a_corrupt_file_is_ignored_with_a_warning(model, cache, counted, caplog)
   with caplog.at_level(logging.WARNING):
     again = decode_lib.resolve(params, args, PROMPTS, disk=cache, **kw)
   assert "timing cache: ignoring" in caplog.text
-  assert counted["probes"] == seen["probes"] + 3 and again[:2] == first[:2]
+  assert counted["probes"] == seen["probes"] + 4 and again[:2] == first[:2]
   third = decode_lib.resolve(params, args, PROMPTS, disk=cache, **kw)  # rewritten: read again
   assert third[2]["measured_seconds"] == 0
   key = {"what": "x"}
@@ -137,7 +138,7 @@ def test_evaluation_decides_from_the_cache_and_says_so(model, cache, counted):
     gen = passk.generate_completions(loaded, PROMPTS * 2, progress=lines.append, **kw)
     runs.append((dict(counted), lines, gen.tokens))
   (after_first, first, tokens1), (after_second, second, tokens2) = runs
-  assert after_first["probes"] == 3 and after_second == after_first  # nothing probed again
+  assert after_first["probes"] == 4 and after_second == after_first  # nothing probed again
   assert [t.tolist() for t in tokens1] == [t.tolist() for t in tokens2]
   assert first[0].startswith("auto: deciding for batch 3, prompt width 56, 8 new tokens")
   assert f"read from {cache.root} where kept" in first[0]
@@ -171,6 +172,30 @@ def test_probes_time_a_short_run_against_the_whole_call(model, monkeypatch):
   assert seen == [12, 4] + [12, None, 4, None] * session_lib.PROBE_ROUNDS, seen
   assert seconds > 0 and fixed >= 0, (seconds, fixed)
   assert plain.lengths.min() == chain.lengths.min() == 32, (plain.lengths, chain.lengths)
+
+
+def test_a_window_probed_later_runs_beside_plain_decoding_and_takes_its_scale(model, cache,
+                                                                            monkeypatch):
+  """A window probed after the decision's first probe (its pick, checked on its own loop) runs
+  beside plain decoding again: on a machine now 2x slower, its cycle and fixed part are halved
+  onto the scale of the plain decoding it will be weighed against; the disk keeps them so."""
+  args, params = model
+  ran = []
+
+  def run_probes(self, prompts, windows, **kw):
+    ran.append(windows)
+    r = session_lib._Probe(np.ones((1, 2), np.int64), 3, 1.5)
+    return [(r, 2.0 if k == 1 else 3.0, 1.0) for _, k in windows]
+
+  monkeypatch.setattr(session_lib.Session, "_run_probes", run_probes)
+  s = session_lib.Session(params, args, disk=cache)
+  kw = dict(max_new_tokens=16, sampling=False, eos_id=-1, pad_id=PAD, sample_kw={})
+  (_, cycle, fixed), = s._probes(PROMPTS, [(None, 3)], beside=(1.0, 0.2), **kw)
+  assert ran == [[(None, 3), (None, 1)]] and (cycle, fixed) == (1.5, 0.5)
+  assert s._probes(PROMPTS, [(None, 3)], beside=(1.0, 0.2), **kw)[0][1:] == (1.5, 0.5)
+  assert len(ran) == 1  # from the disk, as scaled
+  (_, alone, _), = s._probes(PROMPTS, [(None, 2)], **kw)  # without `beside`: as measured
+  assert ran[-1] == [(None, 2)] and alone == 3.0
 
 
 def test_a_window_missing_from_the_disk_joins_what_the_disk_kept(model, cache, counted):

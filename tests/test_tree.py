@@ -240,7 +240,7 @@ def test_auto_probes_a_candidate_near_the_bar(model, monkeypatch):
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)
   np.testing.assert_array_equal(r.tokens, decode_lib.plain(params, args, RAGGED, **kw).tokens)
-  assert probed == [cm.chain(args.n_future).name, "", "1"] and r.heads == 2, (probed, r.auto)
+  assert probed == [cm.chain(args.n_future).name, "", "1", ""] and r.heads == 2, (probed, r.auto)
   assert r.auto["S_predicted"] == pytest.approx(2.0)
 
 

@@ -132,10 +132,12 @@ class Session:
         eos_id=eos_id, pad_id=pad_id, sample_kw=sample_kw))
 
   def _probes(self, prompts, windows, *, max_new_tokens, sampling, eos_id, pad_id,
-              sample_kw) -> list:
+              sample_kw, beside=None) -> list:
     """[(result, seconds per cycle, seconds besides the cycles)] of each window, (tree, k) (tree
     None: the chain of k): what the disk cache kept of it for this model and shape, or measured
-    (`_run_probes`, the missing ones together)."""
+    (`_run_probes`, the missing ones together). beside: plain decoding's (cycle, fixed part) as
+    the decision has them; windows measured now run beside plain decoding again, scaled by its
+    cycle then over now: T and T1 from the same moments (a VM's pace moves between minutes)."""
     width = max(len(p) for p in prompts)
     keys = [self.disk and self._key(
         "probe", params=True, batch=len(prompts), max_new_tokens=max_new_tokens, k=k,
@@ -149,11 +151,14 @@ class Session:
     missing = [i for i, o in enumerate(out) if o is None]
     if missing:
       t0 = time.perf_counter()
-      got = self._run_probes(prompts, [windows[i] for i in missing],
+      got = self._run_probes(prompts, [windows[i] for i in missing] + [(None, 1)] * bool(beside),
                              max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
                              pad_id=pad_id, sample_kw=sample_kw)
       self.measured_seconds += time.perf_counter() - t0
+      now = got.pop()[1] if beside else 0.0  # plain decoding's cycle, timed beside them again
+      scale = beside[0] / now if now > 0 else 1.0
       for i, (r, cycle, fixed) in zip(missing, got):
+        cycle, fixed = cycle * scale, fixed * scale
         out[i] = r, cycle, fixed
         if keys[i]:
           self.disk.put(keys[i], {"rows_hist": np.asarray(r.rows_hist).tolist(),
@@ -223,6 +228,7 @@ class Session:
               sample_kw=sample_kw)
     (r, cycle_seconds, fixed), (_, plain_cycle_seconds, plain_fixed) = self._probes(
         prompts, [(probe if trees else None, probe.k), (None, 1)], **kw)  # and plain's loop
+    plain = plain_cycle_seconds, plain_fixed
     context = timing_cache.prompt_bucket(width) + max_new_tokens // 2
 
     one, floor = costmodel.chain(1), costmodel.floor_window(cands)
@@ -267,7 +273,7 @@ class Session:
       if top < VERIFY_NEAR * costmodel.MIN_GAIN or best in own:
         break
       (rb, t_best, f_best), = self._probes(
-          prompts, [(best if tree_lib.is_tree(best) else None, best.k)], **kw)
+          prompts, [(best if tree_lib.is_tree(best) else None, best.k)], **kw, beside=plain)
       own[best] = t_best, f_best
       a_of[best] = costmodel.predict_a(rb.rows_hist, best, best, **pessimism)
       picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, bound=bound,
@@ -277,7 +283,7 @@ class Session:
     best = picked.pop("tree")
     if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
       picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism,
-                                   floor_seconds=seconds(floor), **kw)
+                                   floor_seconds=seconds(floor), beside=plain, **kw)
     spent = time.perf_counter() - t0
     label = ("plain decoding" if best.k == 1 else f"tree {best.name}" if tree_lib.is_tree(best)
              else f"heads 1..{best.k}")
@@ -295,7 +301,7 @@ class Session:
                 measured_seconds=self.measured_seconds - measured0,  # 0: all from the cache
                 cache=self.disk.root if self.disk else None)
 
-  def _dynamic(self, prompts, picked, best, *, k, pessimism, floor_seconds, **kw):
+  def _dynamic(self, prompts, picked, best, *, k, pessimism, floor_seconds, beside, **kw):
     """`tree=auto`'s dynamic candidate: dynamic:N over heads 2..k, N the node count of the static
     tree of highest predicted S (or bound, where not timed); its a from a probe of its own (the
     slowest row's, smoothed as `costmodel.predict_a` does, from its histogram by depth), its T
@@ -313,7 +319,7 @@ class Session:
     if bound < max(costmodel.MIN_GAIN, picked["S_predicted"]):
       row = costmodel.table_row(dyn, a, a, top["forward_1_seconds"], None, bound=bound)
       return dict(picked, table=picked["table"] + [row]), best
-    (r, cycle_seconds, fixed), = self._probes(prompts, [(dyn, k)], **kw)
+    (r, cycle_seconds, fixed), = self._probes(prompts, [(dyn, k)], beside=beside, **kw)
     a = costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k), **pessimism)
     row = costmodel.table_row(  # its T: its probe's measured cycle
         dyn, a, costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k)),

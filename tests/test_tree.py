@@ -305,6 +305,19 @@ def test_windows_timed_later_join_their_shapes_scale(monkeypatch):
   assert calls[-1] == ["1", "1,1", "2,1"] and got == {chain(2): 1.4, chain(3): 1.7}
 
 
+def test_a_dynamic_window_is_timed_beside_plain_decoding(model):
+  """bench_decode times the window auto_tree chose, a dynamic tree too (costmodel.monotone once
+  raised AttributeError on it there): by its node count and heads, dynamic:4 over heads 2..3
+  holds the chain of 1 and 2-node static trees, not chain:4."""
+  args, params = model
+  cm, dyn = decode_lib.costmodel, tree_lib.Dynamic(4, 2)
+  assert cm.holds(dyn, cm.chain(1)) and cm.holds(dyn, tree_lib.parse("2"))
+  assert not cm.holds(dyn, cm.chain(4)) and cm.holds(tree_lib.parse("4,2,1"), dyn)
+  assert cm.monotone({cm.chain(1): 2.0, dyn: 1.0}) == {cm.chain(1): 2.0, dyn: 2.0}
+  got = cm.forward_seconds(params, args, 3, batch=1, context=8, reps=3, tree=dyn)
+  assert got["forward_k"] >= got["forward_1"] > 0
+
+
 def test_dynamic_tree_loop_sorts_no_vocabulary(model):
   """The dynamic tree's per-head candidates compile to TopK calls, not a sort of the vocabulary
   (one top_k over [heads, rows, V] indexed by depth afterwards was a full sort: 35 ms a cycle

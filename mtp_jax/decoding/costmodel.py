@@ -94,11 +94,14 @@ def forward_times(params, args: ModelArgs, trees: list[Tree], *, batch: int, con
   return monotone({t: max(float(np.median(ds)) / (hi - lo), 1e-9) for t, ds in zip(trees, per)})
 
 
-def holds(big: Tree, small: Tree) -> bool:
+def holds(big, small) -> bool:
   """Whether `big`'s window holds `small`'s: as many depths or more, at least as many nodes at
-  each (the chain of 1 is held by every window): its forward does at least `small`'s work."""
-  return (len(small.spec) <= len(big.spec)
-          and all(s <= b for s, b in zip(small.spec, big.spec)))
+  each (the chain of 1 is held by every window): its forward does at least `small`'s work. A
+  dynamic tree's window (its shape chosen per cycle) by its node count and heads."""
+  if isinstance(big, Tree) and isinstance(small, Tree):
+    return (len(small.spec) <= len(big.spec)
+            and all(s <= b for s, b in zip(small.spec, big.spec)))
+  return small.n_nodes <= big.n_nodes and (None in (big.k, small.k) or small.k <= big.k)
 
 
 def monotone(times: dict[Tree, float]) -> dict[Tree, float]:

@@ -4,6 +4,8 @@ verdict from bench_decode's records."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -180,3 +182,12 @@ def test_bench_decode_png_prefix_is_a_name_and_defaults_to_the_json(tmp_path, mo
   path.write_text("[]")
   bench_decode.main(["--replot", str(path)])
   assert seen == {"dir": str(tmp_path), "prefix": "grid_epyc_"}
+  # Records: --replot writes their calibration again, with their machine (not this one's).
+  auto = dict(record(1.0, [0.9, 1.1], "auto", 1), S_ci=[0.98, 1.02], S_predicted_auto=1.0,
+              off_by_auto=0.0, machine={"cpu": "elsewhere"})
+  path.write_text(json.dumps([dict(record(1.2, [1.1, 1.3], "chain:2", 2),
+                                   machine=auto["machine"]), auto]))
+  bench_decode.main(["--replot", str(path)])
+  cal = json.loads((tmp_path / "grid_epyc_calibration.json").read_text())
+  assert cal["machine"] == {"cpu": "elsewhere"}
+  assert cal["greedy"]["auto"][0]["best_variant"] == "chain:2"

@@ -96,8 +96,12 @@ class _Manager(ocp.CheckpointManager):
     """Also joins the clean-up of temporary folders that orbax starts in a thread when it opens
     the directory and otherwise joins only in `save`: a run that stops before saving (a bad
     resume) would exit with it still running, and at exit it fails to schedule its file work
-    (`RuntimeError: cannot schedule new futures after shutdown`, after the run's own error)."""
-    self._maybe_await_cleanup_tmp_directory()
+    (`RuntimeError: cannot schedule new futures after shutdown`, after the run's own error).
+    A private method of orbax's (0.12): an orbax without it closes as before, and the test of
+    this (tests/test_checkpoint.py) fails."""
+    join = getattr(self, "_maybe_await_cleanup_tmp_directory", None)
+    if join is not None:
+      join()
     super().close()
 
 

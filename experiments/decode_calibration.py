@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtp_jax.decoding import costmodel
+from mtp_jax.decoding import costmodel, speed
 
 HOLD = 0.95  # auto holds at this fraction of the best variant's S
 WITHIN = 0.15  # the cost model's allowance where it bets
@@ -21,18 +21,6 @@ def judged(value: float, ci, lo: float, hi: float = float("inf")) -> str:
   return "misses"
 
 
-def ratio_ci(base, other, level: float = 0.95, draws: int = 2000):
-  """The `level` bootstrap interval of median(base) / median(other), resampling the timed
-  rounds (base[i] and other[i] timed in round i): the interval of the ratio of medians that
-  S and auto_over_best are, where speed.paired_ci is the median of the rounds' ratios."""
-  b, o = np.asarray(base, float), np.asarray(other, float)
-  n = min(len(b), len(o))
-  idx = np.random.default_rng(0).integers(0, n, (draws, n))
-  r = np.median(b[:n][idx], axis=1) / np.maximum(np.median(o[:n][idx], axis=1), 1e-12)
-  q = (1 - level) / 2
-  return [float(np.quantile(r, q)), float(np.quantile(r, 1 - q))]
-
-
 def over_best_ci(r, best):
   """The 95% interval of auto's S over the best variant's: median(best) / median(auto) over
   resampled rounds (both timed in each round, so a change of load hits them alike); against
@@ -40,7 +28,7 @@ def over_best_ci(r, best):
   if "speculative_seconds_all" not in r:
     return r.get("S_ci") if best is None else None
   base = r["greedy_seconds_all"] if best is None else best.get("speculative_seconds_all")
-  return None if base is None else ratio_ci(base, r["speculative_seconds_all"])
+  return None if base is None else speed.ratio_ci(base, r["speculative_seconds_all"])
 
 
 def candidate_off_by(auto_rec, cell) -> list[dict]:
@@ -80,7 +68,7 @@ def calibration(records) -> dict:
   their noise (`judged`, `cost_model_judged`: holds, within the noise, misses): auto over the
   best variant with the 95% interval of their paired rounds (`auto_over_best_ci`), and the
   prediction against the ends of auto's S interval (`off_by_auto_ci`), both intervals of ratios
-  of medians over resampled rounds (`ratio_ci`); each mode counts them."""
+  of medians over resampled rounds (`speed.ratio_ci`); each mode counts them."""
   out = {}
   for mode in dict.fromkeys(r["mode"] for r in records):
     rs = [r for r in records if r["mode"] == mode]
@@ -95,7 +83,7 @@ def calibration(records) -> dict:
       best_name, best_S = ("plain", 1.0) if best is None else (best["variant"], best["S_measured"])
       bet = r["heads"] > 1 or r["tree"] is not None
       weighed, bounded = candidate_off_by(r, cell)
-      ratio_ci = over_best_ci(r, best)
+      over_ci = over_best_ci(r, best)
       pred, S_ci = r["S_predicted_auto"], over_best_ci(r, None)
       off_ci = None if S_ci is None else [pred / S_ci[1] - 1, pred / S_ci[0] - 1]
       autos.append({
@@ -105,9 +93,9 @@ def calibration(records) -> dict:
           "S_ci_within_10pct": r.get("S_ci_within_10pct"),
           "best_variant": best_name, "S_best": best_S,
           "auto_over_best": r["S_measured"] / best_S,
-          "auto_over_best_ci": ratio_ci,
+          "auto_over_best_ci": over_ci,
           "holds": bool(r["S_measured"] >= HOLD * best_S),
-          "judged": judged(r["S_measured"] / best_S, ratio_ci, HOLD),
+          "judged": judged(r["S_measured"] / best_S, over_ci, HOLD),
           "S_predicted_auto": pred, "off_by_auto": r["off_by_auto"], "off_by_auto_ci": off_ci,
           "cost_model_within_15pct": bool(abs(r["off_by_auto"]) <= WITHIN) if bet else None,
           "cost_model_judged": (judged(r["off_by_auto"], off_ci, -WITHIN, WITHIN)

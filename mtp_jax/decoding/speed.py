@@ -56,12 +56,27 @@ def paired_ci(base: list[float], other: list[float], level: float = 0.95,
               draws: int = 2000) -> list[float]:
   """[lo, hi]: the `level` bootstrap interval of the median of base[i] / other[i] (calls timed
   side by side, so a change of load hits both), resampling the pairs; fixed seed."""
-  r = np.asarray(base[:len(other)], float) / np.maximum(np.asarray(other[:len(base)], float),
-                                                        1e-12)
-  idx = np.random.default_rng(0).integers(0, len(r), (draws, len(r)))
-  med = np.median(r[idx], axis=1)
+  return _bootstrap(base, other, lambda b, o: np.median(b / np.maximum(o, 1e-12), axis=1),
+                    level, draws)
+
+
+def ratio_ci(base: list[float], other: list[float], level: float = 0.95,
+             draws: int = 2000) -> list[float]:
+  """[lo, hi]: the same pairs resampled, the interval of median(base) / median(other): the
+  ratio of medians that `compare`'s speed-up is (`paired_ci` is the median of the ratios)."""
+  return _bootstrap(base, other, lambda b, o: np.median(b, axis=1) / np.maximum(
+      np.median(o, axis=1), 1e-12), level, draws)
+
+
+def _bootstrap(base, other, stat, level, draws) -> list[float]:
+  """The `level` interval of stat(base rows, other rows) over `draws` resamplings of the pairs
+  (base[i], other[i]); fixed seed."""
+  n = min(len(base), len(other))
+  b, o = np.asarray(base[:n], float), np.asarray(other[:n], float)
+  idx = np.random.default_rng(0).integers(0, n, (draws, n))
+  got = stat(b[idx], o[idx])
   q = (1 - level) / 2
-  return [float(np.quantile(med, q)), float(np.quantile(med, 1 - q))]
+  return [float(np.quantile(got, q)), float(np.quantile(got, 1 - q))]
 
 
 def line(c: dict, what: str = "plain decoding") -> str:

@@ -1,0 +1,71 @@
+"""experiments/calibration_over_runs.py: several bench_decode grids read together, on a
+hand-worked example and on two committed grids (the script's whole run, no decoding)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from experiments import calibration_over_runs as over
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "experiments", "results")
+
+
+def grid(chain2, auto_S, chose, predicted, own_loop):
+  """One cell, greedy b1 p64: chain:2 as a fixed variant at S chain2; auto at S auto_S, having
+  chosen `chose` heads, its table predicting chain:2 at `predicted` (T from its own loop or not)."""
+  cell = {"mode": "greedy", "batch": 1, "prompt_len": 64}
+  fixed = dict(cell, variant="chain:2", heads=2, tree=None, S_measured=chain2)
+  auto = dict(cell, variant="auto", heads=chose, tree=None, S_measured=auto_S, auto={"table": [
+      {"tree": "", "heads": 1, "nodes": 1, "S_predicted": 1.0, "a_predicted": 1.0},
+      {"tree": "1", "heads": 2, "nodes": 2, "S_predicted": predicted, "a_predicted": 1.7,
+       "own_loop": own_loop}]})
+  return {("greedy", 1, 64): {"chain:2": fixed, "auto": auto}}
+
+
+RUNS = [grid(1.10, 1.00, 1, 0.99, False),   # chain:2 won, auto kept plain decoding
+        grid(1.02, 1.03, 2, 1.071, True),   # auto bet on chain:2
+        grid(0.97, 0.96, 1, 0.8827, False)]  # chain:2 lost
+
+
+def test_auto_against_the_best_and_the_leave_one_run_out_pick_by_hand():
+  rows = over.against_best(RUNS)
+  assert [round(r["auto_over_best"], 4) for r in rows] == [round(1 / 1.1, 4), round(1.03 / 1.02,
+                                                                                    4), 0.96]
+  # run 0: chain:2's mean over runs 1 and 2 is 0.995 < 1: plain (1 / 1.10 of the best); runs 1
+  # and 2: chain:2's mean elsewhere 1.035 and 1.06: chain:2 (1.0 and 0.97 of the best)
+  assert [r["pick"] for r in rows] == ["plain", "chain:2", "chain:2"]
+  assert [round(r["pick_over_best"], 4) for r in rows] == [round(1 / 1.1, 4), 1.0, 0.97]
+  s = over.summary(RUNS, before=RUNS[:2])
+  assert (s["auto_holds"], s["auto_cells"], s["pick_holds"], s["pick_cells"]) == (2, 3, 2, 3)
+  assert s["mcnemar_p"] is None  # no cell where one holds and the other does not
+  assert s["plain_against_plain"]["n"] == 2
+  assert s["plain_against_plain"]["mean"] == pytest.approx(0.98)
+  assert (s["before"]["auto_holds"], s["before"]["auto_cells"]) == (1, 2)
+  assert 0 < s["before"]["welch_p"] <= 1 and s["before"]["fisher_p"] == 1.0
+
+
+def test_the_cost_models_bias_by_where_T_came_from_by_hand():
+  groups = {g["T_from"]: g for g in over.bias(RUNS)}
+  ratios = groups["forward ratios"]
+  assert ratios["n"] == 2 and ratios["mean_log"] == pytest.approx(np.log(0.9 * 0.91) / 2)
+  assert ratios["se"] == pytest.approx(abs(np.log(0.9 / 0.91)) / 2)
+  assert groups["own loop"]["n"] == 1
+  assert groups["own loop"]["mean_log"] == pytest.approx(np.log(1.071 / 1.02))
+
+
+def test_two_committed_grids_read_together(tmp_path, capsys):
+  """The script's run on two committed grids of the projection byte model: every auto record
+  paired with a pick, the machine the runs', a PNG; a missing file is one line naming it."""
+  names = [os.path.join(RESULTS, f"bench_decode_projection_bytes_beside_plain{s}_epyc.json")
+           for s in ("", "_2")]
+  out = over.main(names + ["--json", str(tmp_path / "o.json"), "--png", str(tmp_path / "o.png")])
+  assert out["runs"] == 2 and out["auto_cells"] == out["pick_cells"] == 32
+  assert 0 <= out["auto_holds"] <= 32 and out["bias"]
+  with open(names[0]) as f:
+    assert out["machine"] == json.load(f)[0]["machine"]
+  assert os.path.getsize(tmp_path / "o.png") > 0
+  with pytest.raises(SystemExit):
+    over.main(names[:1] + ["--before", str(tmp_path / "none.json")])
+  assert "jsons: no file" in capsys.readouterr().err

@@ -105,6 +105,25 @@ def test_dynamic_tree(trained, tmp_path, capsys):
   assert "| greedy | 3 |" in capsys.readouterr().out
 
 
+def test_decision_spread(trained, tmp_path, capsys):
+  """Two cold decisions of heads=auto on one cell, one at each of two PROBE_ROUNDS values (the
+  module's value restored after), summarized per value; a bad flag is one line naming it."""
+  from experiments import decision_spread
+  from mtp_jax.decoding import session
+  rounds = session.PROBE_ROUNDS
+  out = tmp_path / "spread.json"
+  rec = decision_spread.main(["--workdir", trained["wd"], "--prompt_len", "8",
+                              "--max_new_tokens", "8", "--decisions", "1", "--probe_rounds",
+                              "1,2", "--json", str(out), "--png", str(tmp_path / "s.png")])
+  assert session.PROBE_ROUNDS == rounds and os.path.getsize(tmp_path / "s.png") > 0
+  assert [d["probe_rounds"] for d in rec["decisions"]] == [1, 2]
+  assert all(d["chose"] in (1, 2) and d["plain_call_seconds"] > 0 for d in rec["decisions"])
+  assert set(rec["summary"]) == {"1", "2"} and _json(out)["machine"]["cpu_count"]
+  with pytest.raises(SystemExit):
+    decision_spread.main(["--workdir", trained["wd"], "--probe_rounds", "0"])
+  assert "--probe_rounds: comma-separated positive integers" in capsys.readouterr().err
+
+
 def test_bench_stops(trained, tmp_path, capsys):
   """Two HumanEval problems, 8 new tokens: the stops checked in the loop cut what cutting
   afterwards cuts (same completions), never decoding more."""

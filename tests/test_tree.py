@@ -244,26 +244,6 @@ def test_auto_probes_a_candidate_near_the_bar(model, monkeypatch):
   assert r.auto["S_predicted"] == pytest.approx(2.0)
 
 
-def test_auto_probes_a_runner_up_near_the_probes_own_loop(model, monkeypatch):
-  """The probe's window (heads 1..4, timed on its own loop) predicts S 1.47 and bets; heads 1..2
-  from forward ratios 1.33, within VERIFY_NEAR of it: auto probes that one too, finds its own
-  loop at S 4 and bets on it (before, a verified top ended the checks, and chain:2, predicted a
-  mean 6% low at batch 1 from forward ratios, was never checked); the output is greedy's."""
-  args, params = model
-  cm, probed = decode_lib.costmodel, []
-  monkeypatch.setattr(cm, "predict_a", lambda hist, probe, cand, **kw:
-                      {1: 1.0, 4: 2.2}.get(cand.k, 2.0))
-  force_costs(monkeypatch, lambda t: {1: 1.0, 2: 1.5, 4: 1.5}.get(t.k, 100.0),
-              lambda t: probed.append(t.name) or {1: 1.0, 2: 0.5, 4: 1.5}.get(t.k, 100.0))
-  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
-  r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)
-  np.testing.assert_array_equal(r.tokens, decode_lib.plain(params, args, RAGGED, **kw).tokens)
-  assert probed == ["1,1,1", "", "1", ""] and r.heads == 2, (probed, r.auto)
-  rows = {row["heads"]: row for row in r.auto["table"]}
-  assert rows[4]["S_predicted"] == pytest.approx(2.2 / 1.5) and rows[4]["own_loop"]
-  assert r.auto["S_predicted"] == pytest.approx(4.0) and not rows[3]["own_loop"]
-
-
 def test_tree_auto_times_only_windows_that_could_win(model, monkeypatch):
   """Every window but one token's 10x as costly: no candidate's bound (its a with the floor
   window's time) reaches MIN_GAIN, so only T1, the probe's window and the floor are timed, the

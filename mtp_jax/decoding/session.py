@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 PROBE_CYCLES = 4  # cycles of a speculative window's short timed run (`probe_lengths`)
 PLAIN_PROBE_STEPS = 12  # plain decoding's steps in its short timed run (`probe_lengths`)
 PROBE_ROUNDS = 3  # timed rounds of a probe's two runs (`Session._run_probes`)
-VERIFY_PICKS = 3  # candidates whose own loop auto probes before it bets (`Session._decide`),
-VERIFY_NEAR = 0.85  # those this close to MIN_GAIN or the best own-loop S (docs/decoding.md)
+VERIFY_PICKS = 2  # picks whose own loop auto probes before it bets (`Session._decide`)
+VERIFY_NEAR = 0.9  # ... and candidates predicted this close to MIN_GAIN: a T from forward
+# ratios was off by up to 20% at batch 1 (chain:2 predicted 0.99, measured 1.22)
 CACHE_SIZE = 32  # entries a Session keeps of each cache (the least recently used go first)
 
 
@@ -261,16 +262,15 @@ class Session:
 
     picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, bound=bound,
                               a_of=a_of, **pessimism)
-    # Before betting, the candidates that could be the pick (best first) are probed on their own
-    # loop (cycle, fixed part, a over the whole call) and auto chooses again: a T from forward
-    # ratios put S 6-10% low at batch 1 here (docs/decoding.md, "Where auto bets").
+    # Before betting, the best speculative candidate's own decoding loop is probed (its cycle,
+    # fixed part and a over the whole call) where it is the pick or near it, and auto chooses
+    # again; a pick already on its own loop ends the checks (probing runners-up too held fewer
+    # cells: docs/decoding.md, "Runners-up on their own loop").
     for _ in range(VERIFY_PICKS):
       rows = [(row["S_predicted"], c) for row, c in zip(picked["table"], cands)
               if c.k > 1 and row["S_predicted"] is not None]
-      bar = VERIFY_NEAR * max([costmodel.MIN_GAIN] + [s for s, c in rows if c in own])
-      top, best = max(((s, c) for s, c in rows if c not in own), key=lambda x: x[0],
-                      default=(0.0, None))
-      if best is None or top < bar:
+      top, best = max(rows, key=lambda x: x[0], default=(0.0, None))
+      if top < VERIFY_NEAR * costmodel.MIN_GAIN or best in own:
         break
       (rb, t_best, f_best), = self._probes(
           prompts, [(best if tree_lib.is_tree(best) else None, best.k)], **kw, beside=plain)

@@ -91,8 +91,7 @@ def against_best(runs: list[dict]) -> list[dict]:
         if v in cell and cell[v].get("auto"):
           out.append({"run": i, "mode": key[0], "batch": key[1], "prompt_len": key[2],
                       "auto": v, "chose": cell[v]["heads"], "S": cell[v]["S_measured"],
-                      "auto_over_best":
-                      cell[v]["S_measured"] / best, "pick": pick,
+                      "auto_over_best": cell[v]["S_measured"] / best, "pick": pick,
                       "pick_over_best": None if pick is None else fixed[pick] / best})
   return out
 
@@ -121,9 +120,9 @@ def summary(runs: list[dict], before: list[dict] | None = None) -> dict:
   if before:
     old = against_best(before)
     log = lambda rs: [np.log(r["auto_over_best"]) for r in rs]
-    table = [[_holds(rows, "auto_over_best"), len(rows) - _holds(rows, "auto_over_best")],
-             [_holds(old, "auto_over_best"), len(old) - _holds(old, "auto_over_best")]]
-    out["before"] = {"runs": len(before), "auto_holds": table[1][0], "auto_cells": len(old),
+    held = _holds(old, "auto_over_best")
+    table = [[out["auto_holds"], len(rows) - out["auto_holds"]], [held, len(old) - held]]
+    out["before"] = {"runs": len(before), "auto_holds": held, "auto_cells": len(old),
                      "auto_over_best_mean": float(np.mean([r["auto_over_best"] for r in old])),
                      "welch_p": float(stats.ttest_ind(log(rows), log(old), equal_var=False).pvalue),
                      "fisher_p": float(stats.fisher_exact(table).pvalue)}

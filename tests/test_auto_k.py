@@ -153,3 +153,19 @@ def test_bounds_prune_only_what_cannot_win():
   assert a == pytest.approx(1.2 * costmodel.DYNAMIC_A_HEADROOM)
   assert s == pytest.approx(a / 1.35)
   assert costmodel.dynamic_bound(3.5, 4, (1.0, 1.5))[0] == 4.0
+
+
+def test_cycle_and_fixed_by_hand_and_never_below_zero():
+  """A cycle is the median over rounds of (whole - short) per extra cycle; the fixed part is the
+  short run's median beyond its cycles. Where jitter hides the cycles (whole no slower than the
+  short run: CI measured -0.09 ms on a tiny model) the whole call counts as cycles, never a
+  negative time the cost model would divide by."""
+  # rounds of (short s, its cycles, whole s, its cycles): cycle 0.01 s, fixed 0.02 s
+  timed = [(0.06, 4, 0.18, 16), (0.07, 4, 0.20, 16), (0.06, 4, 0.19, 16)]
+  cycle, fixed = costmodel.cycle_and_fixed(timed)
+  assert cycle == pytest.approx((0.19 - 0.06) / 12) and fixed == pytest.approx(0.06 - 4 * cycle)
+  # the short run's cycles cost more than it took: no negative fixed part
+  assert costmodel.cycle_and_fixed([(0.01, 4, 0.13, 16)]) == (pytest.approx(0.01), 0.0)
+  # jitter: the whole call no slower than the short run
+  cycle, fixed = costmodel.cycle_and_fixed([(0.0050, 12, 0.0049, 32), (0.0051, 12, 0.0050, 32)])
+  assert cycle == pytest.approx(np.median([0.0049, 0.0050]) / 32) and fixed == 0.0

@@ -186,12 +186,12 @@ class Session:
     PROBE_ROUNDS rounds, each running every window's two `probe_lengths` runs, a short one and
     the whole call (interleaved, so the windows' cycles see the same moments: S is their
     ratio); a cycle is the median over rounds of the difference of the two, per cycle, and what
-    the short run spent beyond its cycles is the call's fixed part (its prefill, the call
-    itself: with 128 new tokens at 0.3 ms a plain step, a prefill of 256 tokens and the call
-    were a third of plain decoding's time here). The result (its acceptance) is the whole
-    call's: acceptance drifts over a decode (greedy rows of the byte model at batch 8 passed 1.3
-    drafts a cycle in the first 12 cycles and 0.1 after: the batch's a was 1.09, and 12 cycles
-    predicted 1.30)."""
+    the short run spent beyond its cycles is the call's fixed part (`costmodel.cycle_and_fixed`;
+    its prefill, the call itself: with 128 new tokens at 0.3 ms a plain step, a prefill of 256
+    tokens and the call were a third of plain decoding's time here). The result (its
+    acceptance) is the whole call's: acceptance drifts over a decode (greedy rows of the byte
+    model at batch 8 passed 1.3 drafts a cycle in the first 12 cycles and 0.1 after: the batch's
+    a was 1.09, and 12 cycles predicted 1.30)."""
     runs, width = [], max(len(p) for p in prompts)
     for tree, k in windows:
       dec = Decoder(self.params, self.args, k=k, batch=len(prompts), prompt_len=width,
@@ -206,11 +206,8 @@ class Session:
     out = []
     for i in range(len(windows)):
       timed = [r[i] for r in rounds]
-      short, full = timed[0]
-      n_short, n_more = short.forwards, max(full.forwards - short.forwards, 1)
-      cycle = float(np.median([(f.seconds - s.seconds) / n_more for s, f in timed]))
-      fixed = float(np.median([s.seconds for s, _ in timed])) - n_short * cycle
-      out.append((full, cycle, max(fixed, 0.0)))
+      out.append((timed[0][1], *costmodel.cycle_and_fixed(
+          [(s.seconds, s.forwards, f.seconds, f.forwards) for s, f in timed])))
     return out
 
   def _decide(self, prompts, *, max_new_tokens, k, n, trees, sampling, eos_id, pad_id,

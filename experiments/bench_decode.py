@@ -269,6 +269,8 @@ def main(argv=None):
                   help="space-separated: chain:K, chain:all, tree:SPEC, auto, auto_tree")
   ap.add_argument("--reps", type=int, default=speed.REPS, help="timed calls per variant (>= 3)")
   ap.add_argument("--temperature", type=float, default=0.8, help="sampled rows; 0: greedy only")
+  ap.add_argument("--modes", default="greedy,sampled", help="greedy, sampled or both, comma-"
+                  "separated (sampled with --temperature > 0)")
   ap.add_argument("--top_p", type=float, default=0.95)
   ap.add_argument("--top_k", type=int, default=0)
   args = ap.parse_args(argv)
@@ -287,12 +289,17 @@ def main(argv=None):
     plots(records, args.png_dir or os.path.dirname(os.path.abspath(args.replot)),
           args.png_prefix)
     return
+  wanted = args.modes.split(",")
+  if not wanted or set(wanted) - {"greedy", "sampled"} or (
+      "sampled" in wanted and args.temperature <= 0 and wanted != ["greedy", "sampled"]):
+    raise SystemExit(f"error: --modes: greedy, sampled or both (sampled with --temperature > 0), "
+                     f"got {args.modes!r}")
   if not args.workdir:
     raise SystemExit("error: --workdir: required (a training workdir)")
   if args.reps < speed.REPS:
     raise SystemExit(f"error: --reps: at least {speed.REPS}, got {args.reps}")
-  modes = [None]
-  if args.temperature > 0:
+  modes = [None] if "greedy" in wanted else []
+  if args.temperature > 0 and "sampled" in wanted:
     modes.append(dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=0))
   loaded = load_workdir(args.workdir)
   variants = parse_variants(args.variants, loaded.model.args.n_future)

@@ -169,12 +169,16 @@ def test_calibration_says_within_the_noise_where_the_clock_cannot_tell():
   assert decode_calibration.judged(0.96, None, 0.95) == "holds"
 
 
-def test_bench_decode_png_prefix_is_a_name_and_defaults_to_the_json(tmp_path, monkeypatch):
-  """A path as --png_prefix is one error line naming the flag, before any work; without the
-  flag, --replot's PNGs take the JSON's name (a run never overwrites another's decode_*.png)."""
+def test_bench_decode_flags_fail_first_and_png_prefix_defaults_to_the_json(tmp_path, monkeypatch):
+  """A path as --png_prefix, or a mode not greedy or sampled, is one error line naming the flag,
+  before any work; without the flag, --replot's PNGs take the JSON's name (a run never
+  overwrites another's decode_*.png)."""
   from experiments import bench_decode
   with pytest.raises(SystemExit, match="--png_prefix: a file name prefix, not a path"):
     bench_decode.main(["--workdir", "x", "--png_prefix", "out/grid_"])
+  for bad in (["--modes", "greedy,beam"], ["--modes", "sampled", "--temperature", "0"]):
+    with pytest.raises(SystemExit, match="--modes: greedy, sampled or both"):
+      bench_decode.main(["--workdir", "x", *bad])
   seen = {}
   monkeypatch.setattr(bench_decode, "plots",
                       lambda records, png_dir, prefix: seen.update(dir=png_dir, prefix=prefix))

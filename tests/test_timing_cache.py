@@ -152,10 +152,10 @@ def test_probes_time_a_short_run_against_the_whole_call(model, monkeypatch):
   the call) against the whole call: short windows (4 and 12 cycles) were within a call's jitter
   at batch 1 (docs/decoding.md). Windows probed together run interleaved; the acceptance is the
   whole call's."""
-  assert session_lib.probe_lengths(4, 128) == (4, None)
-  assert session_lib.probe_lengths(1, 128) == (12, None)
-  assert session_lib.probe_lengths(3, 12) == (2, None)
-  assert session_lib.probe_lengths(1, 2) == (1, None)
+  assert session_lib.costmodel.probe_lengths(4, 128) == (4, None)
+  assert session_lib.costmodel.probe_lengths(1, 128) == (12, None)
+  assert session_lib.costmodel.probe_lengths(3, 12) == (2, None)
+  assert session_lib.costmodel.probe_lengths(1, 2) == (1, None)
   args, params = model
   seen, real = [], session_lib.Decoder.__call__
 

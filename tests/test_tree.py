@@ -244,6 +244,35 @@ def test_auto_probes_a_candidate_near_the_bar(model, monkeypatch):
   assert r.auto["S_predicted"] == pytest.approx(2.0)
 
 
+def test_sampled_tree_auto_reads_chains_from_a_chain_probe(model, monkeypatch):
+  """Sampled, a chain draws its drafts from the heads and a tree takes their top ranks, so a
+  tree's walk does not give a chain's acceptance: tree=auto probes the chain of k beside the
+  union tree, and chains take their a (and their loop's factor, and fixed part) from it, trees
+  from the union's. Greedy, one probe serves both (a greedy walk is the same either way)."""
+  args, params = model
+  cm, probed = decode_lib.costmodel, []
+  from_chain = lambda probe, cand: not tree_lib.is_tree(probe) and not tree_lib.is_tree(cand)
+  monkeypatch.setattr(cm, "predict_a", lambda hist, probe, cand, **kw: 1.0 if cand.k == 1 else (
+      float(cand.k) if from_chain(probe, cand) else 1.2))
+  force_costs(monkeypatch, lambda t: 1.0,
+              lambda t: probed.append(t.name) or (2.0 if t == cm.chain(4) else 1.0))
+  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD, k="auto", tree="auto")
+  r = decode_lib.decode(params, args, RAGGED, temperature=1.0, seed=5, **kw)
+  assert probed[:3] == ["4,2,2", "", "1,1,1"], probed
+  rows = {row["tree"]: row for row in r.auto["table"]}
+  for k in (2, 3, 4):  # chains: a from the chain probe, T its cycle (2.0) x forward time (1.0)
+    row = rows[cm.chain(k).name]  # (3 heads, a 3, cannot beat 4 heads' S 2: not timed)
+    assert row["a_predicted"] == row["a_mean"] == k, row
+    assert row["forward_seconds"] == (None if k == 3 else 2.0), row
+  assert rows["4,2,2"]["a_predicted"] == 1.2 and rows["4,2,2"]["forward_seconds"] == 1.0
+  assert r.heads == 4 and r.tree is None and r.auto["chain_probe"]["loop_factor"] == 2.0
+  probed.clear()
+  g = decode_lib.decode(params, args, RAGGED, **kw)
+  assert probed[:2] == ["4,2,2", ""] and "1,1,1" not in probed[2:3] and "chain_probe" not in g.auto
+  rows = {row["tree"]: row for row in g.auto["table"]}  # (a pick probed on its own loop aside)
+  assert rows["1,1,1"]["a_predicted"] == rows["4,2,2"]["a_predicted"] == 1.2, rows
+
+
 def test_tree_auto_times_only_windows_that_could_win(model, monkeypatch):
   """Every window but one token's 10x as costly: no candidate's bound (its a with the floor
   window's time) reaches MIN_GAIN, so only T1, the probe's window and the floor are timed, the

@@ -57,6 +57,8 @@ DYNAMIC_A_HEADROOM = 1.3  # tree=auto's dynamic tree of N nodes accepts at most 
 # was at most 1.26x the static's (1.61 against 1.28)
 TREE_CANDIDATES = ("2", "3", "4", "2,1", "3,1", "4,1", "2,2", "2,1,1", "3,1,1", "4,1,1",
                    "2,2,1", "3,2,1", "4,2,1", "4,2,2")
+PROBE_CYCLES = 4  # cycles of a speculative window's short timed run (`probe_lengths`)
+PLAIN_PROBE_STEPS = 12  # plain decoding's steps in its short timed run (`probe_lengths`)
 
 
 LOOP_COUNTS = (2, 10)  # forwards per timed call: the per-forward cost is the difference / 8
@@ -247,6 +249,17 @@ def predict_a(hist_BxN: np.ndarray, probe: Tree, cand: Tree, *,
   return float(np.clip(n / max(slowest, 1.0), 1.0, n))
 
 
+def probe_lengths(k: int, max_new_tokens: int) -> tuple[int, None]:
+  """(short, None): the cycles of a probe's two timed runs, None the whole call (max_new_tokens
+  tokens a row). Short: PROBE_CYCLES of a speculative window, PLAIN_PROBE_STEPS of plain
+  decoding (k 1), at most half the whole call's cycles. The whole call, since a window of 4
+  and 12 cycles (12 and 48 plain steps) left a cycle off by up to 40% at batch 1 on a CPU (the
+  difference of two short calls is within their jitter), and since acceptance drifts over a
+  decode (docs/decoding.md, "Where auto bets")."""
+  short = PROBE_CYCLES if k > 1 else PLAIN_PROBE_STEPS
+  return max(min(short, max_new_tokens // (2 * k)), 1), None
+
+
 def cycle_and_fixed(timed: list[tuple[float, int, float, int]]) -> tuple[float, float]:
   """(seconds per cycle, seconds besides the cycles) of a window from its probe rounds, each
   (short run's seconds, its cycles, whole call's seconds, its cycles): a cycle is the median
@@ -326,12 +339,13 @@ def dynamic_bound(a_static: float, k: int, floor_seconds, max_new_tokens: int = 
 
 def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *,
            max_new_tokens: int = 0, fixed=None, bound: dict | None = None,
-           a_of: dict | None = None) -> dict:
+           a_of: dict | None = None, a_mean_of: dict | None = None) -> dict:
   """The candidate of highest predicted S (`call_speedup`); seconds(tree) -> (T1, T)
   (`forward_times`, each with its loop's factor; T None: not timed, out of the running);
   fixed(tree) -> (F1, F), the calls' seconds besides their cycles (None: 0, so S = a x T1 / T);
   a from `predict_a` (max_new_tokens: the expected slowest row of a decode that long; "a_mean" in
-  the table is the slowest row's mean; a_of: those a, computed already, `predicted_a`); bound:
+  the table is the slowest row's mean; a_of, a_mean_of: those, computed already, `predicted_a`,
+  from other probes where a candidate's acceptance is not the probe's to read); bound:
   `bounds`, kept in the table. Returns {"tree":
   Tree, "S_predicted", "a_predicted", "table": [...]} (plain decoding, the chain of 1, unless a
   candidate's S is at least MIN_GAIN)."""
@@ -339,7 +353,8 @@ def choose(hist_BxN, probe: Tree, cands: list[Tree], seconds, *,
     a_of = predicted_a(hist_BxN, probe, cands, max_new_tokens=max_new_tokens)
   table = []
   for cand in cands:
-    table.append(table_row(cand, a_of[cand], predict_a(hist_BxN, probe, cand), *seconds(cand),
+    a_mean = (a_mean_of or {}).get(cand) or predict_a(hist_BxN, probe, cand)
+    table.append(table_row(cand, a_of[cand], a_mean, *seconds(cand),
                            max_new_tokens, *(fixed(cand) if fixed else (0.0, 0.0)),
                            bound=(bound or {}).get(cand)))
   timed = [i for i in range(len(cands)) if table[i]["S_predicted"] is not None]

@@ -9,11 +9,11 @@ keep working (docs/decoding.md)."""
 from __future__ import annotations
 
 from mtp_jax.decoding import costmodel  # noqa: F401  (decode.costmodel: the cost model)
-from mtp_jax.decoding.costmodel import forward_seconds  # noqa: F401  (the cost model's inputs)
+from mtp_jax.decoding.costmodel import PROBE_CYCLES, forward_seconds  # noqa: F401  (its inputs)
 from mtp_jax.decoding.decode_loop import Accepted, accept_greedy, decode_chain, gain  # noqa: F401
 from mtp_jax.decoding.decoder import (  # noqa: F401  (re-exported)
     DecodeResult, Decoder, check_heads, slice_heads)
-from mtp_jax.decoding.session import CACHE_SIZE, PROBE_CYCLES, Session  # noqa: F401
+from mtp_jax.decoding.session import CACHE_SIZE, Session  # noqa: F401
 from mtp_jax.model_args import ModelArgs
 
 

@@ -23,8 +23,6 @@ from mtp_jax.model_args import ModelArgs
 log = logging.getLogger(__name__)
 
 
-PROBE_CYCLES = 4  # cycles of a speculative window's short timed run (`probe_lengths`)
-PLAIN_PROBE_STEPS = 12  # plain decoding's steps in its short timed run (`probe_lengths`)
 PROBE_ROUNDS = 3  # timed rounds of a probe's two runs (`Session._run_probes`)
 VERIFY_PICKS = 2  # picks whose own loop auto probes before it bets (`Session._decide`)
 VERIFY_NEAR = 0.9  # ... and candidates predicted this close to MIN_GAIN: a T from forward
@@ -38,17 +36,6 @@ class _Probe:
   rows_hist: np.ndarray
   forwards: int
   tokens_per_forward: float
-
-
-def probe_lengths(k: int, max_new_tokens: int) -> tuple[int, None]:
-  """(short, None): the cycles of a probe's two timed runs, None the whole call (max_new_tokens
-  tokens a row). Short: PROBE_CYCLES of a speculative window, PLAIN_PROBE_STEPS of plain
-  decoding (k 1), at most half the whole call's cycles. The whole call, since a window of 4
-  and 12 cycles (12 and 48 plain steps) left a cycle off by up to 40% at batch 1 on a CPU (the
-  difference of two short calls is within their jitter), and since acceptance drifts over a
-  decode (docs/decoding.md, "Where auto bets")."""
-  short = PROBE_CYCLES if k > 1 else PLAIN_PROBE_STEPS
-  return max(min(short, max_new_tokens // (2 * k)), 1), None
 
 
 class Session:
@@ -143,7 +130,7 @@ class Session:
         "probe", params=True, batch=len(prompts), max_new_tokens=max_new_tokens, k=k,
         prompt_bucket=timing_cache.prompt_bucket(width),
         window=f"chain:{k}" if tree is None else tree.name,
-        lengths=list(probe_lengths(k if tree is None else tree.k, max_new_tokens)),
+        lengths=list(costmodel.probe_lengths(k if tree is None else tree.k, max_new_tokens)),
         rounds=PROBE_ROUNDS,
         sampling={n: v for n, v in sample_kw.items() if n != "seed"} if sampling else None)
         for tree, k in windows]
@@ -183,12 +170,11 @@ class Session:
                   sample_kw) -> list:
     """[(result, seconds per cycle, seconds besides the cycles)] of each window, (tree, k) (tree
     None: the chain of k), on the call's prompts. Timed, after a short run of each:
-    PROBE_ROUNDS rounds, each running every window's two `probe_lengths` runs, a short one and
-    the whole call (interleaved, so the windows' cycles see the same moments: S is their
-    ratio); a cycle is the median over rounds of the difference of the two, per cycle, and what
-    the short run spent beyond its cycles is the call's fixed part (`costmodel.cycle_and_fixed`;
-    its prefill, the call itself: with 128 new tokens at 0.3 ms a plain step, a prefill of 256
-    tokens and the call were a third of plain decoding's time here). The result (its
+    PROBE_ROUNDS rounds, each running every window's two `costmodel.probe_lengths` runs, a
+    short one and the whole call (interleaved, so the windows' cycles see the same moments: S is
+    their ratio), read for a cycle and the call's fixed part by `costmodel.cycle_and_fixed` (the
+    fixed part: its prefill, the call itself: with 128 new tokens at 0.3 ms a plain step, a
+    prefill of 256 tokens and the call were a third of plain decoding's time here). The result (its
     acceptance) is the whole call's: acceptance drifts over a decode (greedy rows of the byte
     model at batch 8 passed 1.3 drafts a cycle in the first 12 cycles and 0.1 after: the batch's
     a was 1.09, and 12 cycles predicted 1.30)."""
@@ -198,7 +184,7 @@ class Session:
                     max_new_tokens=max_new_tokens, sampling=sampling, tree=tree)
       runs.append((lambda c, dec=dec: dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c,
                                           **sample_kw),
-                   probe_lengths(k if tree is None else tree.k, max_new_tokens)))
+                   costmodel.probe_lengths(k if tree is None else tree.k, max_new_tokens)))
     for run, lengths in runs:  # a fresh executable's first call: up to 5x a later one here
       run(lengths[0])
     rounds = [[tuple(run(c) for c in lengths) for run, lengths in runs]
@@ -223,14 +209,19 @@ class Session:
                   + (f", read from {self.disk.root} where kept)" if self.disk else ")"))
     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
               sample_kw=sample_kw)
-    (r, cycle_seconds, fixed), (_, plain_cycle_seconds, plain_fixed) = self._probes(
-        prompts, [(probe if trees else None, probe.k), (None, 1)], **kw)  # and plain's loop
+    # Sampled chains draw their drafts from the heads, where a tree's are the heads' top ranks:
+    # a tree's walk does not give a sampled chain's acceptance (it gave 0.79-0.87x the a they had:
+    # docs/decoding.md, "Sampled chains beside trees"), so tree=auto probes the chain of k too.
+    chains = costmodel.chain(probe.k) if trees and sampling else None
+    (r, cycle_seconds, fixed), (_, plain_cycle_seconds, plain_fixed), *rc = self._probes(
+        prompts, [(probe if trees else None, probe.k), (None, 1)] + [(None, probe.k)] * bool(
+            chains), **kw)  # and plain's loop
     plain = plain_cycle_seconds, plain_fixed
     context = timing_cache.prompt_bucket(width) + max_new_tokens // 2
 
     one, floor = costmodel.chain(1), costmodel.floor_window(cands)
     timing = dict(batch=batch, context=context)
-    times = dict(self.forward_times([one, probe] + ([floor] if floor else []), **timing))
+    times = dict(self.forward_times([one, probe] + [w for w in (floor, chains) if w], **timing))
     # The loops' own cost (acceptance, drafting, cache bookkeeping) beyond the forward: the
     # probes' cycles over the windows' forwards timed in a loop (`costmodel.forward_times`), so
     # T1 is plain decoding's measured step and the probe's window its measured cycle; another
@@ -240,25 +231,33 @@ class Session:
     loop_factor = cycle_seconds / times[probe]
     plain_loop_factor = plain_cycle_seconds / times[one]
     own = {probe: (cycle_seconds, fixed)}  # windows whose own loop was measured: (T, F)
+    # a window's probe: the chain probe for chains beside trees when sampled, else the first
+    src = lambda c: (rc[0][0], chains) if chains and c.k > 1 and not tree_lib.is_tree(c) else (
+        r, probe)
+    if chains:
+      own[chains] = rc[0][1:]
+    factor = {w: own[w][0] / times[w] for w in own} | {one: plain_loop_factor}
     seconds = lambda c: (times[one] * plain_loop_factor,
                          own[c][0] if c in own else None if c not in times else
-                         times[c] * (loop_factor if c.k > 1 else plain_loop_factor))
+                         times[c] * factor[src(c)[1] if c.k > 1 else one])
     pessimism = dict(max_new_tokens=max_new_tokens)  # the expected slowest row
-    # each call's fixed part: plain decoding's from its probe, every candidate's from the probe's
-    fixed_of = lambda c: (plain_fixed, own[c][1] if c in own else fixed if c.k > 1 else plain_fixed)
+    # each call's fixed part: plain decoding's from its probe, every candidate's from its probe's
+    fixed_of = lambda c: (plain_fixed, own[c][1] if c in own else own[src(c)[1]][1] if c.k > 1
+                          else plain_fixed)
     # Only the windows that could win are compiled and timed: a candidate's S is at most its a
     # with the floor window's time (`costmodel.bounds`); under the best S timed so far (or
     # MIN_GAIN) it cannot be chosen.
-    a_of = costmodel.predicted_a(r.rows_hist, probe, cands, **pessimism)
+    a_of = {c: costmodel.predict_a(src(c)[0].rows_hist, src(c)[1], c, **pessimism) for c in cands}
+    a_mean_of = {c: costmodel.predict_a(src(c)[0].rows_hist, src(c)[1], c) for c in cands}
+    choose = lambda cs, **kw: costmodel.choose(r.rows_hist, probe, cs, seconds, fixed=fixed_of,
+                                               a_of=a_of, a_mean_of=a_mean_of, **pessimism, **kw)
     bound = costmodel.bounds(a_of, seconds(floor), fixed=fixed_of, **pessimism) if floor else {}
-    so_far = costmodel.choose(r.rows_hist, probe, [c for c in cands if c in times], seconds,
-                              fixed=fixed_of, a_of=a_of, **pessimism)["S_predicted"]
+    so_far = choose([c for c in cands if c in times])["S_predicted"]
     more = [c for c in cands if c not in times and bound[c] >= max(costmodel.MIN_GAIN, so_far)]
     if more:
       times.update(self.forward_times(more, **timing))
 
-    picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, bound=bound,
-                              a_of=a_of, **pessimism)
+    picked = choose(cands, bound=bound)
     # Before betting, the best speculative candidate's own decoding loop is probed (its cycle,
     # fixed part and a over the whole call) where it is the pick or near it, and auto chooses
     # again; a pick already on its own loop ends the checks (probing runners-up too held fewer
@@ -273,8 +272,8 @@ class Session:
           prompts, [(best if tree_lib.is_tree(best) else None, best.k)], **kw, beside=plain)
       own[best] = t_best, f_best
       a_of[best] = costmodel.predict_a(rb.rows_hist, best, best, **pessimism)
-      picked = costmodel.choose(r.rows_hist, probe, cands, seconds, fixed=fixed_of, bound=bound,
-                                a_of=a_of, **pessimism)
+      a_mean_of[best] = costmodel.predict_a(rb.rows_hist, best, best)
+      picked = choose(cands, bound=bound)
     for row, c in zip(picked["table"], cands):
       row["own_loop"] = c in own  # T measured on its own loop
     best = picked.pop("tree")
@@ -294,6 +293,10 @@ class Session:
                        "cycle_seconds": cycle_seconds, "plain_loop_factor": plain_loop_factor,
                        "plain_cycle_seconds": plain_cycle_seconds, "fixed_seconds": fixed,
                        "plain_fixed_seconds": plain_fixed},
+                **({"chain_probe": {"tree": chains.name, "cycles": int(rc[0][0].forwards) - 1,
+                                    "tokens_per_forward": rc[0][0].tokens_per_forward,
+                                    "loop_factor": factor[chains], "cycle_seconds": own[chains][0],
+                                    "fixed_seconds": own[chains][1]}} if chains else {}),
                 seconds=spent,
                 measured_seconds=self.measured_seconds - measured0,  # 0: all from the cache
                 cache=self.disk.root if self.disk else None)

@@ -5,6 +5,8 @@ grid cannot tell apart from its noise.
   or the forward ratios scaled by the probe's loop factor; per auto variant and batch, the mean
   of log(S predicted / S measured) over every candidate auto weighed that also ran as a fixed
   variant, its standard error and a one-sample t-test's p against no bias.
+- The same by mode, batch and the candidate's drafts (a chain's or a tree's), with the share of
+  its a: log(a predicted / a measured).
 - auto against the best variant of its cell (S at least HOLD of it: docs/decoding.md), beside
   what the noise allows: the leave-one-run-out pick, in each run and cell the variant (plain
   decoding, S 1, included) of highest mean S over the other runs. It knows each variant's mean
@@ -58,19 +60,41 @@ def _mean_test(xs) -> dict:
   return out
 
 
-def bias(runs: list[dict]) -> list[dict]:
-  """The cost model's bias per auto variant, source of T and batch (module docstring)."""
-  groups = collections.defaultdict(list)
+def _weighed(runs: list[dict]):
+  """(auto variant, its record, a candidate it weighed and timed, as `candidate_off_by` reads
+  it against the same cell's fixed variant) over every run and cell."""
   for cells in runs:
     for cell in cells.values():
       fixed = [r for v, r in cell.items() if v not in AUTO]
       for v in AUTO:
         if v in cell and cell[v].get("auto"):
           for c in candidate_off_by(cell[v], fixed)[0]:
-            src = "own loop" if c["own_loop"] else "forward ratios"
-            groups[(v, src, cell[v]["batch"])].append(np.log1p(c["off_by"]))
+            yield v, cell[v], c
+
+
+def bias(runs: list[dict]) -> list[dict]:
+  """The cost model's bias per auto variant, source of T and batch (module docstring)."""
+  groups = collections.defaultdict(list)
+  for v, r, c in _weighed(runs):
+    src = "own loop" if c["own_loop"] else "forward ratios"
+    groups[(v, src, r["batch"])].append(np.log1p(c["off_by"]))
   return [{"auto": v, "T_from": src, "batch": b, **_mean_test(xs)}
           for (v, src, b), xs in sorted(groups.items(), key=str)]
+
+
+def bias_by_drafts(runs: list[dict]) -> list[dict]:
+  """The cost model's bias per auto variant, mode, batch and the candidate's drafts (a chain's or
+  a tree's), with its a's share: the mean of log(a predicted / a measured) beside the S's. A
+  sampled chain draws its drafts and a tree takes the heads' top ranks, so a tree's walk does not
+  give a sampled chain's a (docs/decoding.md, "Sampled chains beside trees")."""
+  groups = collections.defaultdict(list)
+  for v, r, c in _weighed(runs):
+    drafts = "chain" if c["variant"].startswith("chain") else "tree"
+    a = np.log(c["a_predicted"] / c["a_batch"]) if c.get("a_batch") else None
+    groups[(v, r["mode"], r["batch"], drafts)].append((np.log1p(c["off_by"]), a))
+  return [{"auto": v, "mode": m, "batch": b, "drafts": d, **_mean_test([x for x, _ in xs]),
+           "a": _mean_test([a for _, a in xs if a is not None])}
+          for (v, m, b, d), xs in sorted(groups.items(), key=str)]
 
 
 def against_best(runs: list[dict]) -> list[dict]:
@@ -107,6 +131,7 @@ def summary(runs: list[dict], before: list[dict] | None = None) -> dict:
   only_pick = sum(r["pick_over_best"] >= HOLD > r["auto_over_best"] for r in paired)
   plain = [r["S"] for r in rows if r["chose"] == 1]
   out = {"runs": len(runs), "hold": HOLD, "bias": bias(runs),
+         "bias_by_drafts": bias_by_drafts(runs),
          "auto_holds": _holds(rows, "auto_over_best"), "auto_cells": len(rows),
          "auto_over_best_mean": float(np.mean([r["auto_over_best"] for r in rows])),
          "pick_holds": _holds(paired, "pick_over_best"), "pick_cells": len(paired),

@@ -17,7 +17,7 @@ grid cannot tell apart from its noise.
   the best) by Welch's t-test, and the cells holding HOLD by Fisher's exact test.
 
   python experiments/calibration_over_runs.py A.json B.json ... [--before X.json ...]
-      [--json out.json] [--png out.png]
+      [--modes greedy,sampled] [--autos auto,auto_tree] [--json out.json] [--png out.png]
 """
 
 from __future__ import annotations
@@ -184,14 +184,22 @@ def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("jsons", nargs="+", help="bench_decode JSONs of one model and machine")
   ap.add_argument("--before", nargs="*", default=[], help="older grids to compare with")
+  ap.add_argument("--modes", default="greedy,sampled", help="the cells' modes read")
+  ap.add_argument("--autos", default=",".join(AUTO), help="the auto variants read")
   ap.add_argument("--json", default=None)
   ap.add_argument("--png", default=None)
   args = ap.parse_args(argv)
   for path in args.jsons + args.before:
     if not os.path.exists(path):
       ap.error(f"jsons: no file {path}")
-  runs = [load(p) for p in args.jsons]
-  result = summary(runs, [load(p) for p in args.before])
+  modes, autos = args.modes.split(","), args.autos.split(",")
+  if set(modes) - {"greedy", "sampled"} or set(autos) - set(AUTO):
+    ap.error(f"--modes: greedy and/or sampled, --autos: {' and/or '.join(AUTO)}; got "
+             f"{args.modes!r}, {args.autos!r}")
+  read = lambda p: {key: {v: r for v, r in cell.items() if v not in AUTO or v in autos}
+                    for key, cell in load(p).items() if key[0] in modes}
+  runs = [read(p) for p in args.jsons]
+  result = summary(runs, [read(p) for p in args.before])
   result["files"] = args.jsons
   result["before_files"] = args.before
   first = next(iter(next(iter(runs[0].values())).values()))

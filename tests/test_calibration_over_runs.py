@@ -69,6 +69,13 @@ def test_two_committed_grids_read_together(tmp_path, capsys):
   with pytest.raises(SystemExit):
     over.main(names[:1] + ["--before", str(tmp_path / "none.json")])
   assert "jsons: no file" in capsys.readouterr().err
+  # read in part: sampled cells, auto_tree alone
+  part = over.main(names + ["--modes", "sampled", "--autos", "auto_tree"])
+  assert part["auto_cells"] == 8 and {r["mode"] for r in part["cells"]} == {"sampled"}
+  assert {r["auto"] for r in part["cells"]} == {"auto_tree"}
+  with pytest.raises(SystemExit):
+    over.main(names + ["--modes", "beam"])
+  assert "--modes: greedy and/or sampled" in capsys.readouterr().err
 
 
 def test_the_bias_by_drafts_with_its_as_share_by_hand():
@@ -77,6 +84,7 @@ def test_the_bias_by_drafts_with_its_as_share_by_hand():
   runs = [grid(1.10, 1.00, 1, 0.99, False), grid(1.02, 1.03, 2, 1.071, True)]
   runs[1][("greedy", 1, 64)]["chain:2"]["a_batch"] = 1.5
   g, = over.bias_by_drafts(runs)
-  assert (g["auto"], g["mode"], g["batch"], g["drafts"], g["n"]) == ("auto", "greedy", 1, "chain", 2)
+  key = (g["auto"], g["mode"], g["batch"], g["drafts"], g["n"])
+  assert key == ("auto", "greedy", 1, "chain", 2)
   assert g["mean_log"] == pytest.approx((np.log(0.9) + np.log(1.071 / 1.02)) / 2)
   assert g["a"]["n"] == 1 and g["a"]["mean_log"] == pytest.approx(np.log(1.7 / 1.5))

@@ -195,3 +195,12 @@ def test_bench_decode_flags_fail_first_and_png_prefix_defaults_to_the_json(tmp_p
   cal = json.loads((tmp_path / "grid_epyc_calibration.json").read_text())
   assert cal["machine"] == {"cpu": "elsewhere"}
   assert cal["greedy"]["auto"][0]["best_variant"] == "chain:2"
+
+
+def test_bench_decode_plots_a_grid_of_sampled_cells_alone(tmp_path):
+  """A grid run with --modes sampled has no greedy cell: its speed-up plot shows the sampled
+  ones (it raised on zero columns before)."""
+  from experiments import bench_decode
+  bench_decode.plots([dict(record(1.2, [1.1, 1.3], "chain:2", 2), mode="sampled")], str(tmp_path),
+                     "g_")
+  assert (tmp_path / "g_speedup.png").stat().st_size > 0

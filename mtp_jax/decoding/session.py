@@ -105,8 +105,8 @@ class Session:
     """heads="auto" and/or tree="auto": the k (or tree) of highest predicted speed-up for this
     call's batch, prompt width and mode (`mtp_jax.decoding.costmodel`), decided once per shape
     and mode. Returns {"heads", "tree" (a Tree or None), "S_predicted", "a_predicted", "table",
-    "probe", "seconds"} ("seconds": what deciding took, compilation of the probe included; like
-    compile time, apart from the decode's)."""
+    "probe", "seconds"; "chain_probe" where sampled with tree=auto} ("seconds": what deciding
+    took, compilation of the probe included; like compile time, apart from the decode's)."""
     args = self.args
     sampling = sample_kw.get("temperature", 0) > 0
     trees = tree == "auto" and tree_lib.unsupported_reason(args) is None

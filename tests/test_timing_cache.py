@@ -81,6 +81,21 @@ def test_a_warm_cache_decides_without_probing(model, cache, counted):
   assert counted["probes"] == seen["probes"] + 4 and counted["windows"] == seen["windows"]
 
 
+def test_sampled_tree_auto_reads_its_chain_probe_from_a_warm_cache(model, cache, counted):
+  """Sampled tree=auto probes the chain of all heads beside the union tree: a second session
+  reads that probe from the disk too, and decides the same without probing or timing."""
+  args, params = model
+  kw = dict(max_new_tokens=16, k="auto", tree="auto", eos_id=-1, pad_id=PAD, temperature=1.0,
+            seed=2)
+  first = decode_lib.resolve(params, args, PROMPTS, disk=cache, **kw)
+  assert first[2]["chain_probe"]["tree"] == costmodel.chain(args.n_future).name
+  seen = dict(counted)
+  second = decode_lib.resolve(params, args, PROMPTS, disk=timing_cache.default(), **kw)
+  assert counted == seen and second[:2] == first[:2] and second[2]["measured_seconds"] == 0
+  assert second[2]["chain_probe"] == first[2]["chain_probe"]
+  assert second[2]["table"] == first[2]["table"]
+
+
 def test_a_corrupt_file_is_ignored_with_a_warning(model, cache, counted, caplog):
   args, params = model
   kw = dict(max_new_tokens=16, k="auto", tree=None, eos_id=-1, pad_id=PAD)

@@ -292,7 +292,7 @@ def main(argv=None):
           args.png_prefix)
     return
   wanted = args.modes.split(",")
-  if not wanted or set(wanted) - {"greedy", "sampled"} or (
+  if set(wanted) - {"greedy", "sampled"} or (
       "sampled" in wanted and args.temperature <= 0 and wanted != ["greedy", "sampled"]):
     raise SystemExit(f"error: --modes: greedy, sampled or both (sampled with --temperature > 0), "
                      f"got {args.modes!r}")

@@ -228,7 +228,6 @@ class Session:
     # candidate's T is the probe's cycle scaled by the two windows' forward times (timed
     # together, one scale). Not clamped at 1: a forward timed slow would pass into T unscaled
     # (docs/decoding.md, "Where auto bets").
-    loop_factor = cycle_seconds / times[probe]
     plain_loop_factor = plain_cycle_seconds / times[one]
     own = {probe: (cycle_seconds, fixed)}  # windows whose own loop was measured: (T, F)
     # a window's probe: the chain probe for chains beside trees when sampled, else the first
@@ -289,7 +288,7 @@ class Session:
                   f"{timed} of {len(picked['table'])} candidates timed, the rest could not win")
     return dict(picked, heads=best.k, tree=best if tree_lib.is_tree(best) else None,
                 probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
-                       "tokens_per_forward": r.tokens_per_forward, "loop_factor": loop_factor,
+                       "tokens_per_forward": r.tokens_per_forward, "loop_factor": factor[probe],
                        "cycle_seconds": cycle_seconds, "plain_loop_factor": plain_loop_factor,
                        "plain_cycle_seconds": plain_cycle_seconds, "fixed_seconds": fixed,
                        "plain_fixed_seconds": plain_fixed},

@@ -243,8 +243,9 @@ def write_calibration(records, json_path, machine=None) -> dict:
   cal = calibration(records)
   for mode, c in cal.items():
     if c.get("judged"):
-      print(f"{mode}: auto against the best variant {c['judged']}; the cost model where auto "
-            f"bet {c['cost_model_judged']}", flush=True)
+      print(f"{mode}: auto against the best variant {c['judged']} (the best chosen on the "
+            f"other rounds: {c['judged_crossfit']}); the cost model where auto bet "
+            f"{c['cost_model_judged']}", flush=True)
   print(json.dumps({"calibration": cal}), flush=True)
   if json_path:
     if machine:

@@ -12,6 +12,10 @@ grid cannot tell apart from its noise.
   decoding, S 1, included) of highest mean S over the other runs. It knows each variant's mean
   but not this run's draw, so the cells where it misses HOLD are the noise's (the best of six
   noisy S is the largest draw). auto and that pick are compared cell by cell (exact McNemar).
+- The same judgement with the best chosen on the other rounds of the cell (`crossfit`, from the
+  calls' seconds: the largest of noisy S overstates the best, and the pick's S is one of those
+  draws while auto's is another): auto's own calls, its decision's (its choice's calls as a
+  fixed variant) and the pick's; the decision against the pick by exact McNemar.
 - Plain decoding against itself: auto's S where it chose plain decoding, the spread of one S.
 - --before: older grids (say, before a change to auto) compared with these: auto's log(S over
   the best) by Welch's t-test, and the cells holding HOLD by Fisher's exact test.
@@ -31,7 +35,8 @@ import numpy as np
 from scipy import stats
 
 from experiments import common
-from experiments.decode_calibration import HOLD, candidate_off_by
+from experiments.decode_calibration import (HOLD, calibration, candidate_off_by,
+                                            crossfit_over_best)
 
 AUTO = ("auto", "auto_tree")
 
@@ -97,9 +102,30 @@ def bias_by_drafts(runs: list[dict]) -> list[dict]:
           for (v, m, b, d), xs in sorted(groups.items(), key=str)]
 
 
+def _choice(rec: dict) -> str:
+  """The fixed variant's name of what auto chose: plain, chain:k or tree:SPEC."""
+  if rec["heads"] == 1 and not rec["tree"]:
+    return "plain"
+  return f"chain:{rec['heads']}" if rec["tree"] is None else f"tree:{rec['tree']}"
+
+
+def _crossfit(cell: dict, name: str | None, auto_rec: dict | None = None) -> float | None:
+  """`crossfit_over_best`'s value for auto's own calls (`auto_rec`) or a fixed variant's
+  (`name`, plain included) against the cell's best chosen on the other rounds."""
+  fixed = {v: r for v, r in cell.items() if v not in AUTO}
+  plain = next((r.get("greedy_seconds_all") for r in cell.values()), None)
+  secs = {v: r.get("speculative_seconds_all") for v, r in fixed.items()}
+  calls = (auto_rec.get("speculative_seconds_all") if auto_rec is not None
+           else plain if name == "plain" else secs.get(name))
+  cf = crossfit_over_best(plain, secs, calls) if name is not None or auto_rec else None
+  return cf and cf["value"]
+
+
 def against_best(runs: list[dict]) -> list[dict]:
   """Per run, cell and auto variant: auto's S over the cell's best S, and the leave-one-run-out
-  pick's (None with one run)."""
+  pick's (None with one run); and with the best chosen on the other rounds of the cell
+  (`decode_calibration.crossfit_over_best`): auto's own calls, its choice's calls as a fixed
+  variant (`decision_*`: None where it chose none of them), the pick's."""
   out = []
   for i, cells in enumerate(runs):
     for key, cell in cells.items():
@@ -113,10 +139,15 @@ def against_best(runs: list[dict]) -> list[dict]:
         pick = max(means, key=means.get)
       for v in AUTO:
         if v in cell and cell[v].get("auto"):
+          chose = _choice(cell[v])
           out.append({"run": i, "mode": key[0], "batch": key[1], "prompt_len": key[2],
                       "auto": v, "chose": cell[v]["heads"], "S": cell[v]["S_measured"],
                       "auto_over_best": cell[v]["S_measured"] / best, "pick": pick,
-                      "pick_over_best": None if pick is None else fixed[pick] / best})
+                      "pick_over_best": None if pick is None else fixed[pick] / best,
+                      "choice": chose, "auto_over_best_crossfit": _crossfit(cell, None, cell[v]),
+                      "decision_over_best_crossfit": (_crossfit(cell, chose) if chose in fixed
+                                                      else None),
+                      "pick_over_best_crossfit": _crossfit(cell, pick)})
   return out
 
 
@@ -142,6 +173,8 @@ def summary(runs: list[dict], before: list[dict] | None = None) -> dict:
          "plain_against_plain": {"n": len(plain), "mean": float(np.mean(plain)) if plain else None,
                                  "sd": float(np.std(plain, ddof=1)) if len(plain) > 1 else None},
          "cells": rows}
+  out["crossfit"] = _crossfit_summary(rows)
+  out["verdicts"] = verdicts(runs)
   if before:
     old = against_best(before)
     log = lambda rs: [np.log(r["auto_over_best"]) for r in rs]
@@ -154,6 +187,42 @@ def summary(runs: list[dict], before: list[dict] | None = None) -> dict:
   return out
 
 
+def verdicts(runs: list[dict]) -> dict:
+  """Each grid's own verdicts with their noise (bench_decode's calibration: holds, within the
+  noise, misses), summed over the runs: auto against the best variant (`judged`, and
+  `judged_crossfit` with the best chosen on the other rounds) and the cost model where auto bet
+  (`cost_model_judged`, within 15% of the clock)."""
+  out = {w: collections.Counter() for w in ("judged", "judged_crossfit", "cost_model_judged")}
+  for cells in runs:
+    records = [r for cell in cells.values() for r in cell.values()]
+    if not all("off_by" in r and (not r.get("auto") or "off_by_auto" in r) for r in records):
+      continue  # not a grid bench_decode wrote (no cost model beside it)
+    cal = calibration(records)
+    for c in cal.values():
+      for w in out:
+        out[w].update(c.get(w) or {})
+  return {w: dict(c) for w, c in out.items()}
+
+
+def _crossfit_summary(rows: list[dict]) -> dict:
+  """The judgement with the best chosen on the other rounds: cells holding HOLD for auto's own
+  calls, its decision's and the pick's, and the decision against the pick (exact McNemar over the
+  cells where both were timed as fixed variants and one holds)."""
+  keys = ("auto", "decision", "pick")
+  have = {k: [r for r in rows if r[f"{k}_over_best_crossfit"] is not None] for k in keys}
+  out = {f"{k}_holds": _holds(have[k], f"{k}_over_best_crossfit") for k in keys}
+  out.update({f"{k}_cells": len(have[k]) for k in keys})
+  out["auto_over_best_mean_log"] = (float(np.mean([np.log(r["auto_over_best_crossfit"])
+                                                   for r in have["auto"]]))
+                                    if have["auto"] else None)
+  both = [r for r in have["decision"] if r["pick_over_best_crossfit"] is not None]
+  d = sum(r["decision_over_best_crossfit"] >= HOLD > r["pick_over_best_crossfit"] for r in both)
+  p = sum(r["pick_over_best_crossfit"] >= HOLD > r["decision_over_best_crossfit"] for r in both)
+  out.update(decision_and_pick_cells=len(both), only_decision_holds=d, only_pick_holds=p,
+             mcnemar_p=float(stats.binomtest(d, d + p).pvalue) if d + p else None)
+  return out
+
+
 def plot(result: dict, path: str) -> None:
   """auto's S over the best (and the leave-one-run-out pick's) per cell, one point a run."""
   import matplotlib
@@ -162,8 +231,10 @@ def plot(result: dict, path: str) -> None:
   rows = result["cells"]
   names = list(dict.fromkeys(f"{r['mode'][0]} b{r['batch']} p{r['prompt_len']}" for r in rows))
   fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names)), 3.5))
+  cf = result["crossfit"]["auto_cells"] == len(rows)  # every cell with its calls' seconds
+  tail = "_crossfit" if cf else ""
   for what, marker, dx in (("auto", "o", -0.15), ("auto_tree", "s", 0.0), ("pick", "x", 0.15)):
-    key = "pick_over_best" if what == "pick" else "auto_over_best"
+    key = ("pick_over_best" if what == "pick" else "auto_over_best") + tail
     pts = [(names.index(f"{r['mode'][0]} b{r['batch']} p{r['prompt_len']}") + dx, r[key])
            for r in rows if (what == "pick" or r["auto"] == what) and r[key] is not None]
     if pts:
@@ -171,9 +242,10 @@ def plot(result: dict, path: str) -> None:
                  "leave-one-run-out pick", alpha=0.7)
   ax.axhline(HOLD, color="grey", ls="--", lw=1)
   ax.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
-  ax.set_ylabel("S over the cell's best")
-  ax.set_title(f"{result['runs']} runs: auto holds {result['auto_holds']}/{result['auto_cells']}"
-               f", the pick {result['pick_holds']}/{result['pick_cells']}", fontsize=9)
+  held = result["crossfit"] if cf else result
+  ax.set_ylabel("S over the best" + (" (chosen on other rounds)" if cf else ""), fontsize=8)
+  ax.set_title(f"{result['runs']} runs: auto holds {held['auto_holds']}/{held['auto_cells']}"
+               f", the pick {held['pick_holds']}/{held['pick_cells']}", fontsize=9)
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)

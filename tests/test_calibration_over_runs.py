@@ -63,6 +63,9 @@ def test_two_committed_grids_read_together(tmp_path, capsys):
   out = over.main(names + ["--json", str(tmp_path / "o.json"), "--png", str(tmp_path / "o.png")])
   assert out["runs"] == 2 and out["auto_cells"] == out["pick_cells"] == 32
   assert 0 <= out["auto_holds"] <= 32 and out["bias"]
+  assert out["crossfit"]["auto_cells"] == out["crossfit"]["pick_cells"] == 32
+  assert sum(out["verdicts"]["judged"].values()) == sum(
+      out["verdicts"]["judged_crossfit"].values()) == 32
   with open(names[0]) as f:
     assert out["machine"] == json.load(f)[0]["machine"]
   assert os.path.getsize(tmp_path / "o.png") > 0
@@ -88,3 +91,32 @@ def test_the_bias_by_drafts_with_its_as_share_by_hand():
   assert key == ("auto", "greedy", 1, "chain", 2)
   assert g["mean_log"] == pytest.approx((np.log(0.9) + np.log(1.071 / 1.02)) / 2)
   assert g["a"]["n"] == 1 and g["a"]["mean_log"] == pytest.approx(np.log(1.7 / 1.5))
+
+
+def test_the_judgement_with_the_best_chosen_on_other_rounds_by_hand():
+  """Run 0: chain:2's calls 0.8, 0.9, 1.2 s against plain decoding's 1 s; the best without each
+  round is plain, plain (a tie), chain:2 (see tests/test_speed.py), so auto, which kept plain
+  decoding, holds at 1.0, and the pick from run 1 (chain:2) at the median of 1 / 0.8, 1 / 0.9,
+  1.2 / 1.2. Run 1: chain:2 at 0.5 s in every round is the best; auto kept plain decoding again
+  (its calls 1, 1.05, 1 s; its decision's, plain decoding's, 1 s): 0.5 of it, where the pick
+  (chain:2) holds. So the decision misses in one cell where the pick holds."""
+  def cell(chain2, auto_calls):
+    base = {"mode": "greedy", "batch": 1, "prompt_len": 64, "greedy_seconds_all": [1.0] * 3}
+    fixed = dict(base, variant="chain:2", heads=2, tree=None, speculative_seconds_all=chain2,
+                 S_measured=1.0 / float(np.median(chain2)))
+    auto = dict(base, variant="auto", heads=1, tree=None, speculative_seconds_all=auto_calls,
+                S_measured=1.0 / float(np.median(auto_calls)), auto={"table": []})
+    return {("greedy", 1, 64): {"chain:2": fixed, "auto": auto}}
+
+  runs = [cell([0.8, 0.9, 1.2], [1.0] * 3), cell([0.5] * 3, [1.0, 1.05, 1.0])]
+  rows = over.against_best(runs)
+  assert [r["choice"] for r in rows] == ["plain", "plain"]
+  assert [r["pick"] for r in rows] == ["chain:2", "chain:2"]
+  assert [r["auto_over_best_crossfit"] for r in rows] == pytest.approx([1.0, 0.5])
+  assert [r["decision_over_best_crossfit"] for r in rows] == pytest.approx([1.0, 0.5])
+  assert [r["pick_over_best_crossfit"] for r in rows] == pytest.approx([1 / 0.9, 1.0])
+  assert rows[0]["auto_over_best"] == pytest.approx(0.9)  # against the largest S: misses
+  cf = over.summary(runs)["crossfit"]
+  assert (cf["auto_holds"], cf["decision_holds"], cf["pick_holds"]) == (1, 1, 2)
+  assert (cf["only_decision_holds"], cf["only_pick_holds"], cf["mcnemar_p"]) == (0, 1, 1.0)
+  assert cf["auto_over_best_mean_log"] == pytest.approx(np.log(0.5) / 2)

@@ -293,8 +293,8 @@ def main(argv=None):
           args.png_prefix)
     return
   wanted = args.modes.split(",")
-  if set(wanted) - {"greedy", "sampled"} or (
-      "sampled" in wanted and args.temperature <= 0 and wanted != ["greedy", "sampled"]):
+  if set(wanted) - {"greedy", "sampled"} or ("greedy" not in wanted and args.temperature <= 0):
+    # an error only where nothing would run: with temperature 0 both modes run greedy alone
     raise SystemExit(f"error: --modes: greedy, sampled or both (sampled with --temperature > 0), "
                      f"got {args.modes!r}")
   if not args.workdir:

@@ -179,6 +179,10 @@ def test_bench_decode_flags_fail_first_and_png_prefix_defaults_to_the_json(tmp_p
   for bad in (["--modes", "greedy,beam"], ["--modes", "sampled", "--temperature", "0"]):
     with pytest.raises(SystemExit, match="--modes: greedy, sampled or both"):
       bench_decode.main(["--workdir", "x", *bad])
+  with pytest.raises(Exception) as both:  # both modes in either order, temperature 0: greedy
+    bench_decode.main(["--workdir", str(tmp_path / "none"), "--modes", "sampled,greedy",
+                       "--temperature", "0"])
+  assert "--modes" not in str(both.value)
   seen = {}
   monkeypatch.setattr(bench_decode, "plots",
                       lambda records, png_dir, prefix: seen.update(dir=png_dir, prefix=prefix))

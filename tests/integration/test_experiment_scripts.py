@@ -124,6 +124,22 @@ def test_decision_spread(trained, tmp_path, capsys):
   assert "--probe_rounds: comma-separated positive integers" in capsys.readouterr().err
 
 
+def test_pace_drift(trained, tmp_path, capsys):
+  """Two repetitions of one cell (fresh decoders each, the probe's reading and bench_decode's),
+  summarized with their PNG; a bad flag is one line naming it."""
+  from experiments import pace_drift
+  out = tmp_path / "drift.json"
+  rec = pace_drift.main(["--workdir", trained["wd"], "--prompt_len", "8", "--max_new_tokens",
+                         "8", "--repeats", "2", "--reps", "3", "--json", str(out), "--png",
+                         str(tmp_path / "d.png")])
+  assert len(rec["rows"]) == 2 and os.path.getsize(tmp_path / "d.png") > 0
+  assert all(r["S_ci"][0] <= r["S"] <= r["S_ci"][1] and r["S_probe"] > 0 for r in rec["rows"])
+  assert rec["summary"]["repeats"] == 2 and _json(out)["machine"]["cpu_count"]
+  with pytest.raises(SystemExit):
+    pace_drift.main(["--workdir", trained["wd"], "--repeats", "1"])
+  assert "--repeats: at least 2" in capsys.readouterr().err
+
+
 def test_bench_stops(trained, tmp_path, capsys):
   """Two HumanEval problems, 8 new tokens: the stops checked in the loop cut what cutting
   afterwards cuts (same completions), never decoding more."""

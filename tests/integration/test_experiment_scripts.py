@@ -140,6 +140,26 @@ def test_pace_drift(trained, tmp_path, capsys):
   assert "--repeats: at least 2" in capsys.readouterr().err
 
 
+def test_slowest_row(trained, tmp_path, capsys):
+  """auto's predicted a against 3 sampled draws with other seeds and 3 with other prompts, both
+  sets in [1, k]; greedy varies the prompts alone; a bad flag is one line naming it."""
+  from experiments import slowest_row
+  out = tmp_path / "slowest.json"
+  rec = slowest_row.main(["--workdir", trained["wd"], "--batch", "2", "--prompt_len", "8",
+                          "--max_new_tokens", "8", "--temperature", "0.8", "--draws", "3",
+                          "--json", str(out)])
+  assert 1.0 <= rec["a_predicted"] <= rec["a_slowest_row_mean"] <= 2.0
+  for name in ("seeds", "prompts"):
+    assert rec[name]["draws"] == 3 and 1.0 <= rec[name]["a_mean"] <= 2.0
+  assert _json(out)["machine"]["cpu_count"]
+  greedy = slowest_row.main(["--workdir", trained["wd"], "--batch", "2", "--prompt_len", "8",
+                             "--max_new_tokens", "8", "--draws", "3"])
+  assert "seeds" not in greedy and greedy["prompts"]["draws"] == 3
+  with pytest.raises(SystemExit):
+    slowest_row.main(["--workdir", trained["wd"], "--draws", "2"])
+  assert "--draws: at least 3" in capsys.readouterr().err
+
+
 def test_bench_stops(trained, tmp_path, capsys):
   """Two HumanEval problems, 8 new tokens: the stops checked in the loop cut what cutting
   afterwards cuts (same completions), never decoding more."""

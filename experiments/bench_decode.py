@@ -10,13 +10,17 @@ the same number of tokens per row (EOS ignored, so the work is fixed), each comp
 time (`decode.Decoder`, compile seconds recorded), warmed up by one call of its own, then timed
 --reps times (calls of all variants interleaved); greedily, and (unless --temperature 0)
 sampled with --temperature / --top_p / --top_k, where speculative sampling is distributed as
-plain sampling but its tokens differ. Variants: `chain:K` (heads 1..K, `chain:all`), `tree:SPEC`
-(a static spec such as 4,2,1, or dynamic:N; greedy and sampled), `auto` (--heads auto: the k the
-cost model picks for the cell), `auto_tree` (--heads auto --tree auto). Each record:
+plain sampling but its tokens differ; sampled rounds rotate the seed (round i: seed i + 1, the
+same for every variant), so a sampled S and a are the shape's over draws (`--seeds fixed`: seed
+0 in every call, as grids before the flag; `seeds` in each sampled record). Variants: `chain:K`
+(heads 1..K, `chain:all`), `tree:SPEC` (a static spec such as 4,2,1, or dynamic:N; greedy and
+sampled), `auto` (--heads auto: the k the cost model picks for the cell), `auto_tree` (--heads
+auto --tree auto). Each record:
 
   variant, heads, tree   what ran (auto: what it chose; `auto` holds its probe and table)
   a            mean tokens gained per verification forward, over rows and cycles
   a_batch      plain forwards / speculative forwards: what the slowest row allows the batch
+               (sampled with rotated seeds: a and a_batch the timed rounds' means)
   T1           plain seconds per forward inside the loop (= per token of every row)
   Tc           speculative seconds per cycle inside the loop (one forward over k tokens/nodes)
   S_measured   median plain seconds / median variant seconds, same tokens; S_band: the lowest
@@ -122,10 +126,12 @@ def parse_variants(text: str, n_future: int) -> list[dict]:
   return out
 
 
-def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None):
+def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None, rotate_seeds=False):
   """Plain decoding (k = 1) against each variant on the same prompts, every one timed after its
-  own warm-up, `reps` times interleaved; sample_kw: sampling arguments (None: greedy). Returns
-  one record per variant (without the cell's batch / prompt fields)."""
+  own warm-up, `reps` times interleaved; sample_kw: sampling arguments (None: greedy);
+  rotate_seeds: sampled rounds decode with seeds seed + 1, seed + 2, ... (every variant alike
+  within a round), so S and a are the shape's over draws, not one seed's. Returns one record per
+  variant (without the cell's batch / prompt fields)."""
   args = loaded.model.args
   shape = dict(batch=len(prompts), prompt_len=max(len(p) for p in prompts),
                max_new_tokens=max_new, sampling=bool(sample_kw))
@@ -148,8 +154,13 @@ def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None):
     if key not in built:
       built[key] = decode_lib.Decoder(loaded.params, args, k=k, tree=tree, **shape)
     decoders[v["name"]] = (built[key], auto)
-  timed = speed.time_modes({name: (lambda d=d: d(prompts, **ids))
-                            for name, (d, _) in decoders.items()}, reps)
+  seed = {"now": ids.get("seed", 0)}  # auto decided on the seed given, as a caller's call would
+  rotate = bool(sample_kw) and rotate_seeds
+  timed = speed.time_modes({name: (lambda d=d: d(prompts, **dict(ids, seed=seed["now"])) if
+                                   sample_kw else d(prompts, **ids))
+                            for name, (d, _) in decoders.items()}, reps,
+                           on_round=(lambda i: seed.update(now=ids["seed"] + 1 + i)) if rotate
+                           else None)
   g = timed["plain"]["result"]
   T1 = g.seconds / g.forwards
   records = []
@@ -161,8 +172,13 @@ def run_cell(loaded, prompts, variants, max_new, reps, sample_kw=None):
     records.append({
         "mode": "sampled" if sample_kw else "greedy", "variant": name,
         "sampling": sample_kw or None, "heads": s.heads, "tree": s.tree, "auto": auto,
-        "a": s.tokens_per_forward,
-        "a_batch": g.forwards / s.forwards,  # what the slowest row allows the whole batch
+        "a": (float(np.mean(timed[name]["tokens_per_forward"])) if rotate
+              else s.tokens_per_forward),
+        # what the slowest row allows the whole batch (with rotated seeds: the rounds' mean)
+        "a_batch": (float(np.mean(np.divide(timed["plain"]["forwards"],
+                                            timed[name]["forwards"])))
+                    if rotate else g.forwards / s.forwards),
+        "seeds": "rotated" if rotate else "fixed" if sample_kw else None,
         "acceptance_by_position": s.acceptance_by_position().tolist(),
         "alpha_by_position": s.alpha_by_position().round(4).tolist(),
         "T1": T1, "Tc": s.seconds / s.forwards, "Tc_over_T1": s.seconds / s.forwards / T1,
@@ -274,6 +290,9 @@ def main(argv=None):
   ap.add_argument("--temperature", type=float, default=0.8, help="sampled rows; 0: greedy only")
   ap.add_argument("--modes", default="greedy,sampled", help="greedy, sampled or both, comma-"
                   "separated (sampled with --temperature > 0)")
+  ap.add_argument("--seeds", default="rotate", help="sampled cells: rotate (round i decodes "
+                  "with seed i + 1, every variant alike: S over draws) or fixed (seed 0 in every "
+                  "call, as grids before this flag)")
   ap.add_argument("--top_p", type=float, default=0.95)
   ap.add_argument("--top_k", type=int, default=0)
   args = ap.parse_args(argv)
@@ -297,6 +316,8 @@ def main(argv=None):
     # an error only where nothing would run: with temperature 0 both modes run greedy alone
     raise SystemExit(f"error: --modes: greedy, sampled or both (sampled with --temperature > 0), "
                      f"got {args.modes!r}")
+  if args.seeds not in ("rotate", "fixed"):
+    raise SystemExit(f"error: --seeds: rotate or fixed, got {args.seeds!r}")
   if not args.workdir:
     raise SystemExit("error: --workdir: required (a training workdir)")
   if args.reps < speed.REPS:
@@ -323,7 +344,8 @@ def main(argv=None):
     for batch in [int(x) for x in args.batches.split(",")]:
       prompts = heldout_prompts(loaded, batch, plen)
       for sample_kw in modes:
-        for r in run_cell(loaded, prompts, variants, args.max_new_tokens, args.reps, sample_kw):
+        for r in run_cell(loaded, prompts, variants, args.max_new_tokens, args.reps, sample_kw,
+                          rotate_seeds=args.seeds == "rotate"):
           cost = decode_lib.forward_seconds(loaded.params, loaded.model.args, r["heads"],
                                              batch=batch, context=plen + args.max_new_tokens // 2,
                                              tree=r.pop("_tree"))

@@ -30,6 +30,25 @@ def test_speed_compare_reports_a_band_and_about_the_same():
     speed.time_modes({"a": lambda: None}, reps=2)
 
 
+def test_time_modes_sets_each_round_and_keeps_each_calls_forwards():
+  """on_round(i) runs before timed round i (not before the warm-ups), so every mode of a round
+  sees what it set (bench_decode: round i's sampling seed); each timed call's forwards and
+  tokens_per_forward are kept where its result has them."""
+  import types
+  seed, seen = {"now": 0}, []
+
+  def run(name):
+    seen.append((name, seed["now"]))
+    return types.SimpleNamespace(seconds=0.1, forwards=10 + seed["now"],
+                                 tokens_per_forward=1.0 + seed["now"] / 10)
+  timed = speed.time_modes({"a": lambda: run("a"), "b": lambda: run("b")}, 3,
+                           on_round=lambda i: seed.update(now=i + 1))
+  assert seen == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3)]
+  assert timed["a"]["forwards"] == timed["b"]["forwards"] == [11, 12, 13]
+  assert timed["a"]["tokens_per_forward"] == pytest.approx([1.1, 1.2, 1.3])
+  assert timed["a"]["seconds"] == [0.1] * 3
+
+
 def record(S, band, variant="chain:4", heads=4, tree=None):
   return {"mode": "greedy", "sampling": None, "variant": variant, "heads": heads, "tree": tree,
           "auto": {"S_predicted": 1.0} if variant == "auto" else None, "batch": 1,
@@ -179,6 +198,8 @@ def test_bench_decode_flags_fail_first_and_png_prefix_defaults_to_the_json(tmp_p
   for bad in (["--modes", "greedy,beam"], ["--modes", "sampled", "--temperature", "0"]):
     with pytest.raises(SystemExit, match="--modes: greedy, sampled or both"):
       bench_decode.main(["--workdir", "x", *bad])
+  with pytest.raises(SystemExit, match="--seeds: rotate or fixed"):
+    bench_decode.main(["--workdir", "x", "--seeds", "random"])
   with pytest.raises(Exception) as both:  # both modes in either order, temperature 0: greedy
     bench_decode.main(["--workdir", str(tmp_path / "none"), "--modes", "sampled,greedy",
                        "--temperature", "0"])

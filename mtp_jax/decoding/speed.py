@@ -22,16 +22,23 @@ import numpy as np
 REPS = 3
 
 
-def time_modes(runs: dict[str, Callable[[], object]], reps: int = REPS) -> dict[str, dict]:
-  """{mode: fn()} -> {mode: {"result": the last call's result, "seconds": [each timed call]}}.
-  A result with a `seconds` attribute (DecodeResult: the compiled decode alone) gives that
-  time; otherwise the call's wall time."""
+def time_modes(runs: dict[str, Callable[[], object]], reps: int = REPS,
+               on_round: Callable[[int], None] | None = None) -> dict[str, dict]:
+  """{mode: fn()} -> {mode: {"result": the last call's result, "seconds": [each timed call],
+  "forwards", "tokens_per_forward": [each timed call's, where its result has them]}}. A result
+  with a `seconds`
+  attribute (DecodeResult: the compiled decode alone) gives that time; otherwise the call's wall
+  time. on_round(i), if given, runs before timed round i (say, to set round i's sampling seed
+  for every mode alike)."""
   if reps < REPS:
     raise ValueError(f"--reps: at least {REPS} timed calls per mode, got {reps}")
-  out = {name: {"result": fn(), "seconds": []} for name, fn in runs.items()}  # warm-ups
+  out = {name: {"result": fn(), "seconds": [], "forwards": [], "tokens_per_forward": []}
+         for name, fn in runs.items()}  # warm-ups
   names = list(runs)
   for i in range(reps):  # each round starts one mode later: none always runs first (each
     # follows the same one except at a round's start; a shuffled order measured no different)
+    if on_round is not None:
+      on_round(i)
     for name in names[i % len(names):] + names[:i % len(names)]:
       fn = runs[name]
       t0 = time.perf_counter()
@@ -39,6 +46,9 @@ def time_modes(runs: dict[str, Callable[[], object]], reps: int = REPS) -> dict[
       wall = time.perf_counter() - t0
       out[name]["result"] = r
       out[name]["seconds"].append(float(getattr(r, "seconds", wall)))
+      for what in ("forwards", "tokens_per_forward"):
+        if hasattr(r, what):
+          out[name][what].append(float(getattr(r, what)))
   return out
 
 

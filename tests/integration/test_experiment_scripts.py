@@ -69,6 +69,15 @@ def test_bench_decode_then_demo_report(trained, tmp_path, capsys):
   assert cal["greedy"]["cells"] == 1 and cal["greedy"]["off_by_max_abs"] >= 0
   for png in ("decode_acceptance.png", "decode_speedup.png"):
     assert (tmp_path / png).stat().st_size > 5_000
+  # sampled, seeds rotated over the rounds (the default) and fixed: a and a_batch the rounds'
+  rot, fix = tmp_path / "rot.json", tmp_path / "fix.json"
+  for path, seeds in ((rot, "rotate"), (fix, "fixed")):
+    bench_decode.main(["--workdir", trained["wd"], "--json", str(path), "--batches", "2",
+                       "--prompt_lens", "8", "--max_new_tokens", "8", "--variants", "chain:all",
+                       "--reps", "3", "--modes", "sampled", "--seeds", seeds])
+  (r,), (f,) = _json(rot), _json(fix)
+  assert (r["seeds"], f["seeds"], r["mode"]) == ("rotated", "fixed", "sampled")
+  assert 1 <= r["a"] <= 2 and 1 <= r["a_batch"] <= 2 and r["identical"] is None
   capsys.readouterr()
   demo_report.main(["--workdir", trained["wd"], "--decode_json", str(out), "--aot_json", ""])
   text = capsys.readouterr().out

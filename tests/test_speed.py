@@ -271,15 +271,16 @@ def test_the_largest_of_noisy_S_fails_a_perfect_decider_and_the_crossfit_does_no
 def test_pace_drift_summary_by_hand():
   """Two repetitions at log S +0.1 and -0.1, each interval +-1.96 x 0.05 in log: the weighted
   mean is S 1, Cochran's Q = 2 x (0.1 / 0.05)^2 = 8 on 1 degree of freedom, and both intervals
-  miss the mean; the probe read both 5% (in log) high."""
+  miss the mean; the probe read both 5% (in log) high, the cost model 10% low."""
   from scipy import stats
 
   from experiments import pace_drift
   row = lambda x: {"S": np.exp(x), "S_ci": [np.exp(x - 1.96 * 0.05), np.exp(x + 1.96 * 0.05)],
-                   "S_probe": np.exp(x + 0.05)}
+                   "S_probe": np.exp(x + 0.05), "S_predicted": np.exp(x - 0.1)}
   s = pace_drift.summarize([row(0.1), row(-0.1)])
   assert s["S_weighted_mean"] == pytest.approx(1.0)
   assert s["cochran_q"] == pytest.approx(8.0) and s["q_p"] == pytest.approx(stats.chi2.sf(8, 1))
   assert s["intervals_missing_the_mean"] == 2 and s["se_log_S_within_mean"] == pytest.approx(0.05)
   assert s["log_probe_over_S_mean"] == pytest.approx(0.05) and s["probe_t_p"] is None
+  assert s["log_predicted_over_S_mean"] == pytest.approx(-0.1) and s["predicted_t_p"] is None
   assert s["sd_log_S_between"] == pytest.approx(np.std([0.1, -0.1], ddof=1))

@@ -228,10 +228,36 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   assert dyn["tree"] == f"dynamic:{static['nodes']}" and dyn["a_predicted"] > 1
 
 
+def test_a_dynamic_bet_is_probed_twice(model, monkeypatch):
+  """tree=auto's dynamic tree, where its first probe says it wins, is probed again and chosen on
+  the two probes' mean (a bet on one probe's draw is a bet on its noise): a first draw at S 2
+  and a second at S 0.02 average under MIN_GAIN, so plain decoding is kept; two draws at S 2
+  bet on it; a first draw that loses is not probed again. Every window costs one plain step and
+  accepts nothing (a 1) but the dynamic tree (a 2: the one read from a probe of its own, by
+  depth as the chain of k; the union probe's candidates are read from the union)."""
+  args, params = model
+  cm, draws, n = decode_lib.costmodel, [], args.n_future
+  monkeypatch.setattr(cm, "predict_a", lambda hist, probe, cand, **kw: 2.0 if (
+      probe == cand == cm.chain(n)) else 1.0)
+  force_costs(monkeypatch, lambda t: 1.0, lambda t: draws.pop(0) if isinstance(
+      t, tree_lib.Dynamic) else 1.0)
+  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD, k="auto", tree="auto")
+  for first, second, bet in ((1.0, 100.0, False), (1.0, 1.0, True), (100.0, None, False)):
+    draws[:] = [first] + ([second] if second else [])
+    k, tree, auto = decode_lib.resolve(params, args, RAGGED, **kw)
+    dyn, = [row for row in auto["table"] if row["tree"].startswith("dynamic")]
+    assert not draws and dyn["probes"] == 1 + (second is not None), (first, second, dyn)
+    mean = np.mean([first] + ([second] if second else []))
+    assert dyn["forward_seconds"] == pytest.approx(mean)
+    assert (tree is not None and tree.name == dyn["tree"]) == bet and (k == 1) == (not bet)
+    assert auto["S_predicted"] == pytest.approx(2.0 if bet else 1.0)
+
+
 def test_auto_probes_a_candidate_near_the_bar(model, monkeypatch):
   """Every speculative candidate's a 2: the forwards put heads 1..2 at S 1.0, under MIN_GAIN
-  (1.05) but within VERIFY_NEAR of it, and its own loop at S 2: auto probes it and bets on it
-  (the others, at S 0.02, are not probed); the output is greedy's."""
+  (1.05) but within VERIFY_NEAR of it, and its own loop at S 2: auto probes it, then probes it
+  again (a bet is read from two probes: BET_PROBES), and bets on it (the others, at S 0.02, are
+  not probed); the output is greedy's."""
   args, params = model
   cm, probed = decode_lib.costmodel, []
   monkeypatch.setattr(cm, "predict_a", lambda hist, probe, cand, **kw: 2.0 if cand.k > 1 else 1.0)
@@ -240,7 +266,9 @@ def test_auto_probes_a_candidate_near_the_bar(model, monkeypatch):
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)
   np.testing.assert_array_equal(r.tokens, decode_lib.plain(params, args, RAGGED, **kw).tokens)
-  assert probed == [cm.chain(args.n_future).name, "", "1", ""] and r.heads == 2, (probed, r.auto)
+  assert probed == [cm.chain(args.n_future).name, "", "1", "", "1", ""] and r.heads == 2, (
+      probed, r.auto)
+  assert [row["probes"] for row in r.auto["table"]] == [0, 2] + [0] * (args.n_future - 3) + [1]
   assert r.auto["S_predicted"] == pytest.approx(2.0)
 
 

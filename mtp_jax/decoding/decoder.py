@@ -17,6 +17,7 @@ for one batch shape. Trees (`tree=`, static or dynamic, greedy or sampled):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import jax
@@ -29,10 +30,40 @@ from mtp_jax.decoding import tree as tree_lib
 from mtp_jax.decoding.decode_loop import decode_chain
 from mtp_jax.model_args import ModelArgs
 
+log = logging.getLogger(__name__)
+
 
 def check_heads(args: ModelArgs, k: int) -> None:
   if not 1 <= k <= args.n_future:
     raise ValueError(f"k: must be between 1 and the model's n_future ({args.n_future}), got {k}")
+
+
+def check_window(args: ModelArgs, k, tree):
+  """(k, tree) as a decode runs them: k None -> all heads; tree a spec or Tree parsed (a
+  dynamic tree over heads 2..k), None where a chain or where the heads cannot run trees (a
+  logged reason); "auto" kept for `session.Session.choose`. One ValueError naming k or tree."""
+  if k is None:
+    k = args.n_future
+  if k != "auto":
+    if isinstance(k, str) or not isinstance(k, (int, np.integer)):
+      raise ValueError(f"k: an integer 1..n_future ({args.n_future}) or auto, got {k!r}")
+    check_heads(args, int(k))
+  if tree is not None and tree != "auto":
+    tree = tree_lib.parse(tree, args.n_future)
+    if isinstance(tree, tree_lib.Dynamic) and k != "auto":  # its depths: heads 2..k
+      if k < 2:
+        raise ValueError(f"tree: {tree.name} drafts with heads 2..k, but k is {k}")
+      tree = dataclasses.replace(tree, levels=int(k) - 1)
+    if k not in ("auto", tree.k, args.n_future):
+      raise ValueError(f"tree: {tree.name} uses heads 1..{tree.k}, but k is {k}")
+    k = tree.k
+    why = tree_lib.unsupported_reason(args)
+    if why:
+      log.warning("tree %s: %s; decoding with the chain of %d heads", tree.name, why, k)
+      tree = None
+  if isinstance(tree, tree_lib.Tree) and not tree_lib.is_tree(tree):
+    tree = None  # a chain: the chain loop
+  return k, tree
 
 
 def slice_heads(params, args: ModelArgs, k: int):

@@ -17,7 +17,7 @@ from mtp_jax.decoding import costmodel
 from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.decoding import timing_cache
 from mtp_jax.decoding import tree as tree_lib
-from mtp_jax.decoding.decoder import DecodeResult, Decoder, check_heads
+from mtp_jax.decoding.decoder import DecodeResult, Decoder, check_window
 from mtp_jax.model_args import ModelArgs
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ PROBE_ROUNDS = 3  # timed rounds of a probe's two runs (`Session._run_probes`)
 VERIFY_PICKS = 2  # picks whose own loop auto probes before it bets (`Session._decide`)
 VERIFY_NEAR = 0.9  # ... and candidates predicted this close to MIN_GAIN: a T from forward
 # ratios was off by up to 20% at batch 1 (chain:2 predicted 0.99, measured 1.22)
+BET_PROBES = 2  # own-loop probes a bet's T and fixed part average: a pick read from one is
+# probed again and chosen again (`Session._decide`; the dynamic tree: `Session._dynamic`)
 CACHE_SIZE = 32  # entries a Session keeps of each cache (the least recently used go first)
 
 
@@ -119,12 +121,13 @@ class Session:
         eos_id=eos_id, pad_id=pad_id, sample_kw=sample_kw))
 
   def _probes(self, prompts, windows, *, max_new_tokens, sampling, eos_id, pad_id,
-              sample_kw, beside=None) -> list:
+              sample_kw, beside=None, again: int = 0) -> list:
     """[(result, seconds per cycle, seconds besides the cycles)] of each window, (tree, k) (tree
     None: the chain of k): what the disk cache kept of it for this model and shape, or measured
     (`_run_probes`, the missing ones together). beside: plain decoding's (cycle, fixed part) as
     the decision has them; windows measured now run beside plain decoding again, scaled by its
-    cycle then over now: T and T1 from the same moments (a VM's pace moves between minutes)."""
+    cycle then over now: T and T1 from the same moments (a VM's pace moves between minutes).
+    again: n > 0 for the n-th probe again of the same windows (measured anew, its own entry)."""
     width = max(len(p) for p in prompts)
     keys = [self.disk and self._key(
         "probe", params=True, batch=len(prompts), max_new_tokens=max_new_tokens, k=k,
@@ -132,8 +135,8 @@ class Session:
         window=f"chain:{k}" if tree is None else tree.name,
         lengths=list(costmodel.probe_lengths(k if tree is None else tree.k, max_new_tokens)),
         rounds=PROBE_ROUNDS,
-        sampling={n: v for n, v in sample_kw.items() if n != "seed"} if sampling else None)
-        for tree, k in windows]
+        sampling={n: v for n, v in sample_kw.items() if n != "seed"} if sampling else None,
+        **({"again": again} if again else {})) for tree, k in windows]
     out = [self._cached_probe(key) if key else None for key in keys]
     missing = [i for i, o in enumerate(out) if o is None]
     if missing:
@@ -259,22 +262,31 @@ class Session:
     picked = choose(cands, bound=bound)
     # Before betting, the best speculative candidate's own decoding loop is probed (its cycle,
     # fixed part and a over the whole call) where it is the pick or near it, and auto chooses
-    # again; a pick already on its own loop ends the checks (probing runners-up too held fewer
-    # cells: docs/decoding.md, "Runners-up on their own loop").
-    for _ in range(VERIFY_PICKS):
+    # again (probing runners-up too held fewer cells: docs/decoding.md, "Runners-up on their own
+    # loop"). A pick on its own loop is probed there once more and chosen on the two probes'
+    # mean: a bet on one probe is a bet on its noise (docs/decoding.md, "Bets probed twice").
+    readings, verified = {c: [v] for c, v in own.items()}, 0
+    for _ in range(2 * VERIFY_PICKS):
       rows = [(row["S_predicted"], c) for row, c in zip(picked["table"], cands)
               if c.k > 1 and row["S_predicted"] is not None]
       top, best = max(rows, key=lambda x: x[0], default=(0.0, None))
-      if top < VERIFY_NEAR * costmodel.MIN_GAIN or best in own:
+      again = len(readings.get(best, ()))
+      if (top < VERIFY_NEAR * costmodel.MIN_GAIN or again >= BET_PROBES
+          or (again and top < costmodel.MIN_GAIN) or (not again and verified >= VERIFY_PICKS)):
         break
       (rb, t_best, f_best), = self._probes(
-          prompts, [(best if tree_lib.is_tree(best) else None, best.k)], **kw, beside=plain)
-      own[best] = t_best, f_best
-      a_of[best] = costmodel.predict_a(rb.rows_hist, best, best, **pessimism)
-      a_mean_of[best] = costmodel.predict_a(rb.rows_hist, best, best)
+          prompts, [(best if tree_lib.is_tree(best) else None, best.k)], **kw, beside=plain,
+          again=again)
+      readings.setdefault(best, []).append((t_best, f_best))
+      own[best] = tuple(float(v) for v in np.mean(readings[best], axis=0))
+      if not again:
+        verified += 1
+        a_of[best] = costmodel.predict_a(rb.rows_hist, best, best, **pessimism)
+        a_mean_of[best] = costmodel.predict_a(rb.rows_hist, best, best)
       picked = choose(cands, bound=bound)
     for row, c in zip(picked["table"], cands):
       row["own_loop"] = c in own  # T measured on its own loop
+      row["probes"] = len(readings.get(c, ()))  # own-loop probes in its T and fixed part
     best = picked.pop("tree")
     if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
       picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism,
@@ -304,9 +316,10 @@ class Session:
     """`tree=auto`'s dynamic candidate: dynamic:N over heads 2..k, N the node count of the static
     tree of highest predicted S (or bound, where not timed); its a from a probe of its own (the
     slowest row's, smoothed as `costmodel.predict_a` does, from its histogram by depth), its T
-    its probe's measured cycle. (picked, best) again, with it in the table, and chosen where its
-    S is the highest and at least MIN_GAIN. Probed only where its own bound
-    (`costmodel.dynamic_bound`) reaches the best S and MIN_GAIN; else its row holds the bound."""
+    and fixed part its probe's. Probed only where its bound (`costmodel.dynamic_bound`) reaches
+    the best S and MIN_GAIN (else its row holds the bound); where the probe says it wins, probed
+    again and chosen on the mean of the two (BET_PROBES: a bet on one probe is a bet on its
+    noise, docs/decoding.md "Bets probed twice"). (picked, best) again."""
     static = [row for row in picked["table"] if row["nodes"] > row["heads"]]  # not chains
     if not static:
       return picked, best
@@ -315,18 +328,25 @@ class Session:
     dyn = tree_lib.Dynamic(top["nodes"], k - 1)
     a, bound = costmodel.dynamic_bound(top["a_predicted"], k, floor_seconds, kw["max_new_tokens"],
                                        top["fixed_1_seconds"], top["fixed_seconds"])
-    if bound < max(costmodel.MIN_GAIN, picked["S_predicted"]):
+    bar = max(costmodel.MIN_GAIN, picked["S_predicted"])
+    if bound < bar:
       row = costmodel.table_row(dyn, a, a, top["forward_1_seconds"], None, bound=bound)
       return dict(picked, table=picked["table"] + [row]), best
-    (r, cycle_seconds, fixed), = self._probes(prompts, [(dyn, k)], beside=beside, **kw)
-    a = costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k), **pessimism)
-    row = costmodel.table_row(  # its T: its probe's measured cycle
-        dyn, a, costmodel.predict_a(r.rows_hist, costmodel.chain(k), costmodel.chain(k)),
-        top["forward_1_seconds"], cycle_seconds, kw["max_new_tokens"], top["fixed_1_seconds"],
-        fixed)
+    probes, by_depth = [], costmodel.chain(k)  # its histogram: by depth, as a chain's
+    for again in range(BET_PROBES):
+      probes += self._probes(prompts, [(dyn, k)], beside=beside, again=again, **kw)
+      hist = probes[0][0].rows_hist
+      row = costmodel.table_row(  # T and the fixed part: the probes' means
+          dyn, costmodel.predict_a(hist, by_depth, by_depth, **pessimism),
+          costmodel.predict_a(hist, by_depth, by_depth),
+          top["forward_1_seconds"], float(np.mean([p[1] for p in probes])), kw["max_new_tokens"],
+          top["fixed_1_seconds"], float(np.mean([p[2] for p in probes])))
+      row["probes"] = len(probes)
+      if row["S_predicted"] < bar:
+        break
     picked = dict(picked, table=picked["table"] + [row])
-    if row["S_predicted"] >= max(costmodel.MIN_GAIN, picked["S_predicted"]):
-      return dict(picked, S_predicted=row["S_predicted"], a_predicted=a), dyn
+    if row["S_predicted"] >= bar:
+      return dict(picked, S_predicted=row["S_predicted"], a_predicted=row["a_predicted"]), dyn
     return picked, best
 
   def resolve(self, prompts: list, *, max_new_tokens: int, k, tree, eos_id: int, pad_id: int,
@@ -334,28 +354,7 @@ class Session:
     """What `decode` runs for these arguments: (k, Tree or None, the `choose` record or None).
     Checks k and tree (one ValueError naming k or tree); sequential heads fall back from a tree
     to the chain with a logged reason."""
-    args = self.args
-    if k is None:
-      k = args.n_future
-    if k != "auto":
-      if isinstance(k, str) or not isinstance(k, (int, np.integer)):
-        raise ValueError(f"k: an integer 1..n_future ({args.n_future}) or auto, got {k!r}")
-      check_heads(args, int(k))
-    if tree is not None and tree != "auto":
-      tree = tree_lib.parse(tree, args.n_future)
-      if isinstance(tree, tree_lib.Dynamic) and k != "auto":  # its depths: heads 2..k
-        if k < 2:
-          raise ValueError(f"tree: {tree.name} drafts with heads 2..k, but k is {k}")
-        tree = dataclasses.replace(tree, levels=int(k) - 1)
-      if k not in ("auto", tree.k, args.n_future):
-        raise ValueError(f"tree: {tree.name} uses heads 1..{tree.k}, but k is {k}")
-      k = tree.k
-      why = tree_lib.unsupported_reason(args)
-      if why:
-        log.warning("tree %s: %s; decoding with the chain of %d heads", tree.name, why, k)
-        tree = None
-    if isinstance(tree, tree_lib.Tree) and not tree_lib.is_tree(tree):
-      tree = None  # a chain: the chain loop
+    k, tree = check_window(self.args, k, tree)
     auto = None
     if k == "auto" or tree == "auto":
       sample_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -135,18 +135,22 @@ def test_decision_spread(trained, tmp_path, capsys):
 
 def test_pace_drift(trained, tmp_path, capsys):
   """Two repetitions of one cell (fresh decoders each, the probe's reading and bench_decode's),
-  summarized with their PNG; a bad flag is one line naming it."""
+  here a dynamic tree's, summarized with their PNG; a bad flag is one line naming it."""
   from experiments import pace_drift
   out = tmp_path / "drift.json"
   rec = pace_drift.main(["--workdir", trained["wd"], "--prompt_len", "8", "--max_new_tokens",
-                         "8", "--repeats", "2", "--reps", "3", "--json", str(out), "--png",
-                         str(tmp_path / "d.png")])
+                         "8", "--repeats", "2", "--reps", "3", "--tree", "dynamic:3", "--json",
+                         str(out), "--png", str(tmp_path / "d.png")])
+  assert rec["tree"] == "dynamic:3" and rec["k"] == 2
   assert len(rec["rows"]) == 2 and os.path.getsize(tmp_path / "d.png") > 0
   assert all(r["S_ci"][0] <= r["S"] <= r["S_ci"][1] and r["S_probe"] > 0 for r in rec["rows"])
   assert rec["summary"]["repeats"] == 2 and _json(out)["machine"]["cpu_count"]
   with pytest.raises(SystemExit):
     pace_drift.main(["--workdir", trained["wd"], "--repeats", "1"])
   assert "--repeats: at least 2" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    pace_drift.main(["--workdir", trained["wd"], "--tree", "0,2"])
+  assert "--tree: " in capsys.readouterr().err
 
 
 def test_slowest_row(trained, tmp_path, capsys):

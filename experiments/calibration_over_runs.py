@@ -17,8 +17,10 @@ grid cannot tell apart from its noise.
   draws while auto's is another): auto's own calls, its decision's (its choice's calls as a
   fixed variant) and the pick's; the decision against the pick by exact McNemar.
 - Plain decoding against itself: auto's S where it chose plain decoding, the spread of one S.
+- The cost model where auto bet (`bets`): its pick's log(S predicted / S measured), with a t-test.
 - --before: older grids (say, before a change to auto) compared with these: auto's log(S over
-  the best) by Welch's t-test, and the cells holding HOLD by Fisher's exact test.
+  the best) and the bets' log(S predicted / S measured) by Welch's t-test, and the cells holding
+  HOLD by Fisher's exact test.
 
   python experiments/calibration_over_runs.py A.json B.json ... [--before X.json ...]
       [--modes greedy,sampled] [--autos auto,auto_tree] [--json out.json] [--png out.png]
@@ -102,6 +104,23 @@ def bias_by_drafts(runs: list[dict]) -> list[dict]:
           for (v, m, b, d), xs in sorted(groups.items(), key=str)]
 
 
+def _bet_logs(runs: list[dict]) -> list[float]:
+  """log(S predicted / S measured) of auto's pick in every record where it bet."""
+  return [float(np.log(r["S_predicted_auto"] / r["S_measured"])) for cells in runs
+          for cell in cells.values() for v, r in cell.items()
+          if v in AUTO and r.get("S_predicted_auto") and _choice(r) != "plain"]
+
+
+def bets(runs: list[dict]) -> dict:
+  """The cost model where auto bet: the mean of log(S predicted / S measured) of its pick (t-test
+  against no bias), and how many were within 15%. A choice selects the probes that drew high,
+  so a bias shows here that the candidates' (`bias`) does not (docs/decoding.md, "Bets probed
+  twice")."""
+  xs = _bet_logs(runs)
+  return {**_mean_test(xs), "sd": float(np.std(xs, ddof=1)) if len(xs) > 1 else None,
+          "within_15pct": int(sum(abs(np.expm1(x)) <= 0.15 for x in xs))}
+
+
 def _choice(rec: dict) -> str:
   """The fixed variant's name of what auto chose: plain, chain:k or tree:SPEC."""
   if rec["heads"] == 1 and not rec["tree"]:
@@ -175,6 +194,7 @@ def summary(runs: list[dict], before: list[dict] | None = None) -> dict:
          "cells": rows}
   out["crossfit"] = _crossfit_summary(rows)
   out["verdicts"] = verdicts(runs)
+  out["bets"] = bets(runs)
   if before:
     old = against_best(before)
     log = lambda rs: [np.log(r["auto_over_best"]) for r in rs]
@@ -183,7 +203,11 @@ def summary(runs: list[dict], before: list[dict] | None = None) -> dict:
     out["before"] = {"runs": len(before), "auto_holds": held, "auto_cells": len(old),
                      "auto_over_best_mean": float(np.mean([r["auto_over_best"] for r in old])),
                      "welch_p": float(stats.ttest_ind(log(rows), log(old), equal_var=False).pvalue),
-                     "fisher_p": float(stats.fisher_exact(table).pvalue)}
+                     "fisher_p": float(stats.fisher_exact(table).pvalue),
+                     "bets": bets(before)}
+    now_b, old_b = _bet_logs(runs), _bet_logs(before)
+    if len(now_b) > 1 and len(old_b) > 1:
+      out["before"]["bets_welch_p"] = float(stats.ttest_ind(now_b, old_b, equal_var=False).pvalue)
   return out
 
 

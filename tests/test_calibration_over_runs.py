@@ -120,3 +120,19 @@ def test_the_judgement_with_the_best_chosen_on_other_rounds_by_hand():
   assert (cf["auto_holds"], cf["decision_holds"], cf["pick_holds"]) == (1, 1, 2)
   assert (cf["only_decision_holds"], cf["only_pick_holds"], cf["mcnemar_p"]) == (0, 1, 1.0)
   assert cf["auto_over_best_mean_log"] == pytest.approx(np.log(0.5) / 2)
+
+
+def test_the_cost_model_where_auto_bet_by_hand():
+  """`bets`: auto's pick's log(S predicted / S measured) where it bet (+10% and +30% here; a
+  record that kept plain decoding is not a bet), within 15% in one; --before compares them."""
+  def run(predicted, measured, heads):
+    rec = {"mode": "greedy", "batch": 1, "prompt_len": 64, "variant": "auto", "heads": heads,
+           "tree": None, "S_predicted_auto": predicted, "S_measured": measured}
+    return {("greedy", 1, 64): {"auto": rec}}
+
+  runs = [run(1.10, 1.00, 2), run(1.30, 1.00, 4), run(1.00, 1.20, 1)]
+  b = over.bets(runs)
+  assert b["n"] == 2 and b["within_15pct"] == 1
+  assert b["mean_log"] == pytest.approx((np.log(1.1) + np.log(1.3)) / 2)
+  assert b["sd"] == pytest.approx(abs(np.log(1.3) - np.log(1.1)) / np.sqrt(2))
+  assert over._bet_logs([run(1.0, 1.0, 2)]) == [0.0]

@@ -19,6 +19,7 @@ import pytest
 from conftest import force_costs, random_params, tiny_config
 from mtp_jax import heads
 from mtp_jax.decoding import decode as decode_lib
+from mtp_jax.decoding import session as session_lib
 from mtp_jax.decoding import tree as tree_lib
 from mtp_jax.model import MTPModel, build_model, init_decode_cache
 
@@ -251,6 +252,31 @@ def test_a_dynamic_bet_is_probed_twice(model, monkeypatch):
     assert dyn["forward_seconds"] == pytest.approx(mean)
     assert (tree is not None and tree.name == dyn["tree"]) == bet and (k == 1) == (not bet)
     assert auto["S_predicted"] == pytest.approx(2.0 if bet else 1.0)
+
+
+def test_auto_bets_only_on_a_pick_read_twice(model, monkeypatch):
+  """The forwards say every speculative candidate wins (a 2 at one plain step's cost); on their
+  own loops all lose (100 steps) but the union probe's window (one step). auto checks would-be
+  bets one by one, past VERIFY_PICKS (which bounds only the candidates near the bar), until one
+  is read from two probes: the union tree. No decode runs (the probes are faked)."""
+  args, params = model
+  cm, probed = decode_lib.costmodel, []
+  monkeypatch.setattr(cm, "predict_a", lambda hist, probe, cand, **kw: 1.0 if cand.k == 1 else 2.0)
+  force_costs(monkeypatch, lambda t: 1.0)
+  union = cm.union(cm.candidates(args.n_future, True))
+  fake = lambda tree, k: (session_lib._Probe(np.ones((len(RAGGED), 8), np.int64), 10, 2.0),
+                          probed.append((tree or cm.chain(k)).name) or (
+                              1.0 if k == 1 or tree == union else 100.0), 0.0)
+  monkeypatch.setattr(session_lib.Session, "_run_probes",
+                      lambda self, prompts, windows, **kw: [fake(*w) for w in windows])
+  k, tree, auto = decode_lib.resolve(params, args, RAGGED, max_new_tokens=MAX_NEW, eos_id=-1,
+                                     pad_id=PAD, k="auto", tree="auto")
+  assert tree == union and auto["S_predicted"] == pytest.approx(2.0)
+  rows = {row["tree"]: row for row in auto["table"]}
+  assert rows[union.name]["probes"] == 2 and probed.count(union.name) == 2
+  checked = [name for name in dict.fromkeys(probed) if name not in ("", union.name)]
+  assert len(checked) > session_lib.VERIFY_PICKS  # each a would-be bet, each lost
+  assert all(rows[n]["probes"] == 1 and rows[n]["S_predicted"] < 1 for n in checked)
 
 
 def test_auto_probes_a_candidate_near_the_bar(model, monkeypatch):

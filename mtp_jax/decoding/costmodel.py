@@ -29,7 +29,8 @@ measured on the probe for the candidates and on a plain decoding loop for plain 
 fixed part (prefill, the call), and the S compared is the call's (`call_speedup`). The choice
 is the candidate of highest predicted S, plain decoding (S = 1) unless a candidate beats it by
 MIN_GAIN; a pick other than the probe's window is probed on its own loop and chosen again
-before auto bets on it (`decode.Session`).
+before auto bets on it, and a pick read from one own-loop probe is probed there again and
+chosen on the two probes' mean (`session.Session`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 PROBE_ROUNDS = 3  # timed rounds of a probe's two runs (`Session._run_probes`)
-VERIFY_PICKS = 2  # picks whose own loop auto probes before it bets (`Session._decide`)
+VERIFY_PICKS = 2  # candidates near the bar whose own loop auto probes (`Session._decide`)
 VERIFY_NEAR = 0.9  # ... and candidates predicted this close to MIN_GAIN: a T from forward
 # ratios was off by up to 20% at batch 1 (chain:2 predicted 0.99, measured 1.22)
 BET_PROBES = 2  # own-loop probes a bet's T and fixed part average: a pick read from one is
@@ -265,14 +265,15 @@ class Session:
     # again (probing runners-up too held fewer cells: docs/decoding.md, "Runners-up on their own
     # loop"). A pick on its own loop is probed there once more and chosen on the two probes'
     # mean: a bet on one probe is a bet on its noise (docs/decoding.md, "Bets probed twice").
+    # VERIFY_PICKS bounds the candidates probed near the bar, not the checks of a would-be bet.
     readings, verified = {c: [v] for c, v in own.items()}, 0
-    for _ in range(2 * VERIFY_PICKS):
+    for _ in range(BET_PROBES * len(cands)):
       rows = [(row["S_predicted"], c) for row, c in zip(picked["table"], cands)
               if c.k > 1 and row["S_predicted"] is not None]
       top, best = max(rows, key=lambda x: x[0], default=(0.0, None))
-      again = len(readings.get(best, ()))
-      if (top < VERIFY_NEAR * costmodel.MIN_GAIN or again >= BET_PROBES
-          or (again and top < costmodel.MIN_GAIN) or (not again and verified >= VERIFY_PICKS)):
+      again, bet = len(readings.get(best, ())), top >= costmodel.MIN_GAIN
+      if (top < VERIFY_NEAR * costmodel.MIN_GAIN or again >= BET_PROBES or (again and not bet)
+          or (not again and not bet and verified >= VERIFY_PICKS)):
         break
       (rb, t_best, f_best), = self._probes(
           prompts, [(best if tree_lib.is_tree(best) else None, best.k)], **kw, beside=plain,

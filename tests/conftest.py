@@ -97,6 +97,16 @@ def tiny_config(kind: str = "parallel", n_future: int = 2):
   return c
 
 
+def tree_model(kind: str):
+  """(args, params) of a random 4-head model of `kind` (max_len 64), as the tree tests use it: a
+  random model's heads rarely agree with head 1, and larger weights in the heads would not help
+  either; what the tests need is drafts that pass at ranks 0 and > 0, which happens (seed 3)."""
+  c = tiny_config(kind, n_future=4)
+  c.model.max_len = 64
+  m = build_model(c)
+  return m.args, random_params(m, seed=3)
+
+
 def random_params(model, seed: int = 0):
   """Params with the structure of `init_params` (traced with eval_shape, nothing compiled), drawn
   with numpy: compiling the real initialiser (threefry for every leaf) costs seconds per config

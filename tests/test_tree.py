@@ -16,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import force_costs, random_params, tiny_config
+from conftest import force_costs, random_params, tiny_config, tree_model
 from mtp_jax import heads
 from mtp_jax.decoding import decode as decode_lib
-from mtp_jax.decoding import session as session_lib
 from mtp_jax.decoding import tree as tree_lib
 from mtp_jax.model import MTPModel, build_model, init_decode_cache
 
@@ -34,12 +33,7 @@ MAX_NEW = 24
 @pytest.fixture(scope="module", params=[k if k == "parallel" else pytest.param(
     k, marks=pytest.mark.heavy) for k in heads.tree_kinds()])
 def model(request):
-  c = tiny_config(request.param, n_future=4)
-  c.model.max_len = 64
-  m = build_model(c)
-  # A random model's heads rarely agree with head 1: larger weights in the heads would not
-  # help either; what the tests need is drafts that pass at ranks 0 and > 0, which happens.
-  return m.args, random_params(m, seed=3)
+  return tree_model(request.param)
 
 
 def test_tree_tables_by_hand():
@@ -227,56 +221,6 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
   static = max((row for row in r.auto["table"] if row["nodes"] > row["heads"] and row is not dyn),
                key=lambda row: row["S_bound"] if row["S_predicted"] is None else row["S_predicted"])
   assert dyn["tree"] == f"dynamic:{static['nodes']}" and dyn["a_predicted"] > 1
-
-
-def test_a_dynamic_bet_is_probed_twice(model, monkeypatch):
-  """tree=auto's dynamic tree, where its first probe says it wins, is probed again and chosen on
-  the two probes' mean (a bet on one probe's draw is a bet on its noise): a first draw at S 2
-  and a second at S 0.02 average under MIN_GAIN, so plain decoding is kept; two draws at S 2
-  bet on it; a first draw that loses is not probed again. Every window costs one plain step and
-  accepts nothing (a 1) but the dynamic tree (a 2: the one read from a probe of its own, by
-  depth as the chain of k; the union probe's candidates are read from the union)."""
-  args, params = model
-  cm, draws, n = decode_lib.costmodel, [], args.n_future
-  monkeypatch.setattr(cm, "predict_a", lambda hist, probe, cand, **kw: 2.0 if (
-      probe == cand == cm.chain(n)) else 1.0)
-  force_costs(monkeypatch, lambda t: 1.0, lambda t: draws.pop(0) if isinstance(
-      t, tree_lib.Dynamic) else 1.0)
-  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD, k="auto", tree="auto")
-  for first, second, bet in ((1.0, 100.0, False), (1.0, 1.0, True), (100.0, None, False)):
-    draws[:] = [first] + ([second] if second else [])
-    k, tree, auto = decode_lib.resolve(params, args, RAGGED, **kw)
-    dyn, = [row for row in auto["table"] if row["tree"].startswith("dynamic")]
-    assert not draws and dyn["probes"] == 1 + (second is not None), (first, second, dyn)
-    mean = np.mean([first] + ([second] if second else []))
-    assert dyn["forward_seconds"] == pytest.approx(mean)
-    assert (tree is not None and tree.name == dyn["tree"]) == bet and (k == 1) == (not bet)
-    assert auto["S_predicted"] == pytest.approx(2.0 if bet else 1.0)
-
-
-def test_auto_bets_only_on_a_pick_read_twice(model, monkeypatch):
-  """The forwards say every speculative candidate wins (a 2 at one plain step's cost); on their
-  own loops all lose (100 steps) but the union probe's window (one step). auto checks would-be
-  bets one by one, past VERIFY_PICKS (which bounds only the candidates near the bar), until one
-  is read from two probes: the union tree. No decode runs (the probes are faked)."""
-  args, params = model
-  cm, probed = decode_lib.costmodel, []
-  monkeypatch.setattr(cm, "predict_a", lambda hist, probe, cand, **kw: 1.0 if cand.k == 1 else 2.0)
-  force_costs(monkeypatch, lambda t: 1.0)
-  union = cm.union(cm.candidates(args.n_future, True))
-  fake = lambda tree, k: (session_lib._Probe(np.ones((len(RAGGED), 8), np.int64), 10, 2.0),
-                          probed.append((tree or cm.chain(k)).name) or (
-                              1.0 if k == 1 or tree == union else 100.0), 0.0)
-  monkeypatch.setattr(session_lib.Session, "_run_probes",
-                      lambda self, prompts, windows, **kw: [fake(*w) for w in windows])
-  k, tree, auto = decode_lib.resolve(params, args, RAGGED, max_new_tokens=MAX_NEW, eos_id=-1,
-                                     pad_id=PAD, k="auto", tree="auto")
-  assert tree == union and auto["S_predicted"] == pytest.approx(2.0)
-  rows = {row["tree"]: row for row in auto["table"]}
-  assert rows[union.name]["probes"] == 2 and probed.count(union.name) == 2
-  checked = [name for name in dict.fromkeys(probed) if name not in ("", union.name)]
-  assert len(checked) > session_lib.VERIFY_PICKS  # each a would-be bet, each lost
-  assert all(rows[n]["probes"] == 1 and rows[n]["S_predicted"] < 1 for n in checked)
 
 
 def test_auto_probes_a_candidate_near_the_bar(model, monkeypatch):

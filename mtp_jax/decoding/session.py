@@ -333,18 +333,18 @@ class Session:
     if bound < bar:
       row = costmodel.table_row(dyn, a, a, top["forward_1_seconds"], None, bound=bound)
       return dict(picked, table=picked["table"] + [row]), best
-    probes, by_depth = [], costmodel.chain(k)  # its histogram: by depth, as a chain's
-    for again in range(BET_PROBES):
-      probes += self._probes(prompts, [(dyn, k)], beside=beside, again=again, **kw)
-      hist = probes[0][0].rows_hist
+    probes = self._probes(prompts, [(dyn, k)], beside=beside, **kw)
+    hist, by_depth = probes[0][0].rows_hist, costmodel.chain(k)  # its a: the first probe's
+    a = (costmodel.predict_a(hist, by_depth, by_depth, **pessimism),  # histogram, by depth
+         costmodel.predict_a(hist, by_depth, by_depth))
+    while True:
       row = costmodel.table_row(  # T and the fixed part: the probes' means
-          dyn, costmodel.predict_a(hist, by_depth, by_depth, **pessimism),
-          costmodel.predict_a(hist, by_depth, by_depth),
-          top["forward_1_seconds"], float(np.mean([p[1] for p in probes])), kw["max_new_tokens"],
-          top["fixed_1_seconds"], float(np.mean([p[2] for p in probes])))
+          dyn, *a, top["forward_1_seconds"], float(np.mean([p[1] for p in probes])),
+          kw["max_new_tokens"], top["fixed_1_seconds"], float(np.mean([p[2] for p in probes])))
       row["probes"] = len(probes)
-      if row["S_predicted"] < bar:
+      if row["S_predicted"] < bar or len(probes) >= BET_PROBES:
         break
+      probes += self._probes(prompts, [(dyn, k)], beside=beside, again=len(probes), **kw)
     picked = dict(picked, table=picked["table"] + [row])
     if row["S_predicted"] >= bar:
       return dict(picked, S_predicted=row["S_predicted"], a_predicted=row["a_predicted"]), dyn

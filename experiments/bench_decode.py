@@ -32,6 +32,9 @@ auto --tree auto). Each record:
                timing cache (a fresh directory: probes and timed forwards) and again on the
                same cache, warm (a new session reading it); S_with_decision(_cached): median
                plain seconds / (median auto seconds + that decision), S counting the decision
+  S_predicted_auto, off_by_auto   auto only: what it predicted (where it bet: a probe its
+               choice did not use, `session.HELD_OUT`) and that over S_measured - 1;
+               S_chosen_auto: where it bet, the S its choice read
   S_predicted  a_batch * T1_fwd / Tk_fwd: the cost model, from a one-token and a k-token (tree:
                N-node) cached forward timed on their own, outside any loop (the in-loop
                a * T1 / Tc would equal S_measured by construction)
@@ -362,6 +365,8 @@ def main(argv=None):
           if r["auto"]:  # what auto predicted when it chose, before decoding (pessimistic a)
             r["S_predicted_auto"] = r["auto"]["S_predicted"]
             r["off_by_auto"] = r["S_predicted_auto"] / r["S_measured"] - 1
+            if r["auto"].get("S_chosen"):  # a bet: the S it was chosen on, beside the held-out's
+              r["S_chosen_auto"] = r["auto"]["S_chosen"]
           records.append(r)
           lo, hi = r["S_band"]
           est = r["a_estimate_teacher_forced"]

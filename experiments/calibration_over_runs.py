@@ -17,7 +17,8 @@ grid cannot tell apart from its noise.
   draws while auto's is another): auto's own calls, its decision's (its choice's calls as a
   fixed variant) and the pick's; the decision against the pick by exact McNemar.
 - Plain decoding against itself: auto's S where it chose plain decoding, the spread of one S.
-- The cost model where auto bet (`bets`): its pick's log(S predicted / S measured), with a t-test.
+- The cost model where auto bet (`bets`): its pick's log(S predicted / S measured), with a t-test;
+  the same of the S its choice read, paired with the held-out probe's where it has one.
 - --before: older grids (say, before a change to auto) compared with these: auto's log(S over
   the best) and the bets' log(S predicted / S measured) by Welch's t-test, and the cells holding
   HOLD by Fisher's exact test.
@@ -104,21 +105,35 @@ def bias_by_drafts(runs: list[dict]) -> list[dict]:
           for (v, m, b, d), xs in sorted(groups.items(), key=str)]
 
 
-def _bet_logs(runs: list[dict]) -> list[float]:
-  """log(S predicted / S measured) of auto's pick in every record where it bet."""
-  return [float(np.log(r["S_predicted_auto"] / r["S_measured"])) for cells in runs
-          for cell in cells.values() for v, r in cell.items()
+def _bet_records(runs: list[dict]) -> list[dict]:
+  """auto's records where it bet (its pick not plain decoding)."""
+  return [r for cells in runs for cell in cells.values() for v, r in cell.items()
           if v in AUTO and r.get("S_predicted_auto") and _choice(r) != "plain"]
+
+
+def _bet_logs(runs: list[dict], field: str = "S_predicted_auto") -> list[float]:
+  """log(S predicted / S measured) of auto's pick in every record where it bet; field
+  "S_chosen_auto": the S its choice read (before a held-out probe: the one predicted)."""
+  return [float(np.log(r.get(field, r["S_predicted_auto"]) / r["S_measured"]))
+          for r in _bet_records(runs)]
 
 
 def bets(runs: list[dict]) -> dict:
   """The cost model where auto bet: the mean of log(S predicted / S measured) of its pick (t-test
   against no bias), and how many were within 15%. A choice selects the probes that drew high,
   so a bias shows here that the candidates' (`bias`) does not (docs/decoding.md, "Bets probed
-  twice")."""
-  xs = _bet_logs(runs)
-  return {**_mean_test(xs), "sd": float(np.std(xs, ddof=1)) if len(xs) > 1 else None,
-          "within_15pct": int(sum(abs(np.expm1(x)) <= 0.15 for x in xs))}
+  twice"). "chosen": the same of the S the choice read, and where a held-out probe predicted
+  (S_chosen_auto), the paired t-test of the two ("A reading the choice did not use")."""
+  xs, chosen = _bet_logs(runs), _bet_logs(runs, "S_chosen_auto")
+  within = lambda v: int(sum(abs(np.expm1(x)) <= 0.15 for x in v))
+  sd = lambda v: float(np.std(v, ddof=1)) if len(v) > 1 else None
+  held = [(x, c) for x, c, r in zip(xs, chosen, _bet_records(runs)) if "S_chosen_auto" in r]
+  out = {**_mean_test(xs), "sd": sd(xs), "within_15pct": within(xs),
+         "chosen": {**_mean_test(chosen), "sd": sd(chosen), "within_15pct": within(chosen)},
+         "held_out": len(held)}
+  if len(held) > 1:
+    out["held_out_paired_p"] = float(stats.ttest_rel(*zip(*held)).pvalue)
+  return out
 
 
 def _choice(rec: dict) -> str:

@@ -134,7 +134,9 @@ def run(workdir: str, texts: list[str], *, max_new_tokens: int, mode: str, heads
               if auto["measured_seconds"] else f"read from {auto['cache']}") if auto["cache"] \
         else f"its probe and timings {auto['measured_seconds']:.1f}s"
     print(f"auto: heads {auto['heads']}, tree {auto['tree'] or 'none (a chain)'}, predicted "
-          f"speed-up {auto['S_predicted']:.2f}x (a {auto['a_predicted']:.2f}; deciding took "
+          f"speed-up {auto['S_predicted']:.2f}x (a {auto['a_predicted']:.2f}"
+          + (f", chosen on {auto['S_chosen']:.2f}x" if auto.get("S_chosen") else "")
+          + f"; deciding took "
           f"{auto['seconds']:.1f}s: {cached})", file=out)
   for name, r in results.items():  # sampled, "greedy" is plain sampling with head 1
     print(figures_line(names[name], r), file=out)

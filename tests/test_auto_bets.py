@@ -1,13 +1,16 @@
-"""auto's bets (`session.Session._decide`, `_dynamic`): a pick read from one probe of its own
-loop is probed there again and chosen on the two probes' mean (`session.BET_PROBES`), and every
-would-be bet is checked on its own loop (docs/decoding.md, "Bets probed twice"). On a random
-4-head model (conftest.tree_model), the costs forced (conftest.force_costs) or the probes faked."""
+"""auto's bets (`session.Session._decide`, `_dynamic`, `_held_out`): a pick read from one probe
+of its own loop is probed there again and chosen on the two probes' mean (`session.BET_PROBES`),
+every would-be bet is checked on its own loop (docs/decoding.md, "Bets probed twice"), and a
+bet's S is reported from one more probe, one the choice did not use ("A reading the choice did
+not use"). On a random 4-head model (conftest.tree_model), the costs forced
+(conftest.force_costs) or the probes faked."""
 
 import numpy as np
 import pytest
 
 from conftest import force_costs, tree_model
 from mtp_jax.decoding import decode as decode_lib
+from mtp_jax.decoding import probes as probes_lib
 from mtp_jax.decoding import session as session_lib
 from mtp_jax.decoding import tree as tree_lib
 from test_tree import MAX_NEW, PAD, RAGGED
@@ -34,14 +37,16 @@ def test_a_dynamic_bet_is_probed_twice(model, monkeypatch):
       t, tree_lib.Dynamic) else 1.0)
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD, k="auto", tree="auto")
   for first, second, bet in ((1.0, 100.0, False), (1.0, 1.0, True), (100.0, None, False)):
-    draws[:] = [first] + ([second] if second else [])
+    draws[:] = [first] + ([second] if second else []) + [4.0] * bet  # a held-out draw: S 0.5
     k, tree, auto = decode_lib.resolve(params, args, RAGGED, **kw)
     dyn, = [row for row in auto["table"] if row["tree"].startswith("dynamic")]
     assert not draws and dyn["probes"] == 1 + (second is not None), (first, second, dyn)
     mean = np.mean([first] + ([second] if second else []))
     assert dyn["forward_seconds"] == pytest.approx(mean)
     assert (tree is not None and tree.name == dyn["tree"]) == bet and (k == 1) == (not bet)
-    assert auto["S_predicted"] == pytest.approx(2.0 if bet else 1.0)
+    # a bet's S is reported from a probe the choice did not use: it does not choose again
+    assert auto["S_predicted"] == pytest.approx(0.5 if bet else 1.0)
+    assert auto.get("S_chosen") == (pytest.approx(2.0) if bet else None)
 
 
 def test_auto_bets_only_on_a_pick_read_twice(model, monkeypatch):
@@ -54,16 +59,16 @@ def test_auto_bets_only_on_a_pick_read_twice(model, monkeypatch):
   monkeypatch.setattr(cm, "predict_a", lambda hist, probe, cand, **kw: 1.0 if cand.k == 1 else 2.0)
   force_costs(monkeypatch, lambda t: 1.0)
   union = cm.union(cm.candidates(args.n_future, True))
-  fake = lambda tree, k: (session_lib._Probe(np.ones((len(RAGGED), 8), np.int64), 10, 2.0),
+  fake = lambda tree, k: (probes_lib.Probe(np.ones((len(RAGGED), 8), np.int64), 10, 2.0),
                           probed.append((tree or cm.chain(k)).name) or (
                               1.0 if k == 1 or tree == union else 100.0), 0.0)
   monkeypatch.setattr(session_lib.Session, "_run_probes",
                       lambda self, prompts, windows, **kw: [fake(*w) for w in windows])
   k, tree, auto = decode_lib.resolve(params, args, RAGGED, max_new_tokens=MAX_NEW, eos_id=-1,
                                      pad_id=PAD, k="auto", tree="auto")
-  assert tree == union and auto["S_predicted"] == pytest.approx(2.0)
+  assert tree == union and auto["S_predicted"] == auto["S_chosen"] == pytest.approx(2.0)
   rows = {row["tree"]: row for row in auto["table"]}
-  assert rows[union.name]["probes"] == 2 and probed.count(union.name) == 2
+  assert rows[union.name]["probes"] == 2 and probed.count(union.name) == 2 + session_lib.HELD_OUT
   checked = [name for name in dict.fromkeys(probed) if name not in ("", union.name)]
   assert len(checked) > session_lib.VERIFY_PICKS  # each a would-be bet, each lost
   assert all(rows[n]["probes"] == 1 and rows[n]["S_predicted"] < 1 for n in checked)

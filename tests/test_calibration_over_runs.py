@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from experiments import calibration_over_runs as over
 
@@ -136,3 +137,24 @@ def test_the_cost_model_where_auto_bet_by_hand():
   assert b["mean_log"] == pytest.approx((np.log(1.1) + np.log(1.3)) / 2)
   assert b["sd"] == pytest.approx(abs(np.log(1.3) - np.log(1.1)) / np.sqrt(2))
   assert over._bet_logs([run(1.0, 1.0, 2)]) == [0.0]
+
+
+def test_bets_beside_the_S_their_choice_read_by_hand():
+  """`bets`' "chosen": where a held-out probe predicted, the S the choice read (S_chosen_auto)
+  beside it, and a record without one counts its prediction as what it was chosen on. Chosen
+  at 1.3 and 1.2, held out at 1.1 and 1.05 (measured 1.0); a third record without a held-out
+  probe at 1.2: the paired test takes the two held out only."""
+  def run(predicted, chosen=None):
+    rec = {"mode": "greedy", "batch": 1, "prompt_len": 64, "variant": "auto", "heads": 3,
+           "tree": None, "S_predicted_auto": predicted, "S_measured": 1.0,
+           **({"S_chosen_auto": chosen} if chosen else {})}
+    return {("greedy", 1, 64): {"auto": rec}}
+
+  b = over.bets([run(1.1, 1.3), run(1.05, 1.2), run(1.2)])
+  assert b["n"] == b["chosen"]["n"] == 3 and b["held_out"] == 2
+  assert b["mean_log"] == pytest.approx(np.log([1.1, 1.05, 1.2]).mean())
+  assert b["chosen"]["mean_log"] == pytest.approx(np.log([1.3, 1.2, 1.2]).mean())
+  assert (b["within_15pct"], b["chosen"]["within_15pct"]) == (2, 0)
+  diffs = np.log([1.1 / 1.3, 1.05 / 1.2])
+  t = diffs.mean() / (diffs.std(ddof=1) / np.sqrt(2))
+  assert b["held_out_paired_p"] == pytest.approx(2 * stats.t.sf(abs(t), 1))

@@ -209,7 +209,8 @@ def test_auto_checks_its_pick_on_its_own_loop(trained, monkeypatch):
   """The forwards say heads 1..3 cost what one token does, but their own loop costs 10x: auto
   probes its pick (heads 1..3) before betting, finds it would lose, chooses again (heads 1..2,
   whose loop is as cheap as its forward) and checks that one too, twice (a bet is read from two
-  probes: session.BET_PROBES); the output is greedy's."""
+  probes: session.BET_PROBES), then reads its S once more from a probe it does not choose on
+  (session.HELD_OUT); the output is greedy's."""
   args, params = trained
   probed = []
   wins = lambda t: t.k < 4  # forwards: the chain of 4 (the probe) 10x, the others 1
@@ -218,11 +219,13 @@ def test_auto_checks_its_pick_on_its_own_loop(trained, monkeypatch):
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)
   assert_same(decode_lib.plain(params, args, RAGGED, **kw), r)
-  assert probed == ["1,1,1", "", "1,1", "", "1", "", "1", ""] and r.heads == 2, (probed, r.auto)
+  assert probed == ["1,1,1", "", "1,1", "", "1", "", "1", "", "1", ""] and r.heads == 2, (
+      probed, r.auto)
   table = {row["heads"]: row for row in r.auto["table"]}
   assert [h for h, row in table.items() if row["own_loop"]] == [2, 3, 4]
   assert [row["probes"] for row in table.values()] == [0, 2, 1, 1]
-  assert table[3]["S_predicted"] < 1 < table[2]["S_predicted"] == r.auto["S_predicted"]
+  assert table[3]["S_predicted"] < 1 < table[2]["S_predicted"] == r.auto["S_chosen"]
+  assert r.auto["S_predicted"] == pytest.approx(r.auto["S_chosen"])  # the same costs forced
 
 
 # Heavy tier (~22 s: four decodes compiled twice): make test checks the slot forward against the

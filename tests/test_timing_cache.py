@@ -16,6 +16,7 @@ from conftest import force_costs, random_params, tiny_config
 
 from mtp_jax.decoding import costmodel, timing_cache
 from mtp_jax.decoding import decode as decode_lib
+from mtp_jax.decoding import probes as probes_lib
 from mtp_jax.decoding import session as session_lib
 from mtp_jax.model import build_model
 
@@ -199,7 +200,7 @@ def test_a_window_probed_later_runs_beside_plain_decoding_and_takes_its_scale(mo
 
   def run_probes(self, prompts, windows, **kw):
     ran.append(windows)
-    r = session_lib._Probe(np.ones((1, 2), np.int64), 3, 1.5)
+    r = probes_lib.Probe(np.ones((1, 2), np.int64), 3, 1.5)
     return [(r, 2.0 if k == 1 else 3.0, 1.0) for _, k in windows]
 
   monkeypatch.setattr(session_lib.Session, "_run_probes", run_probes)

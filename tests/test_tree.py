@@ -226,8 +226,8 @@ def test_tree_auto_follows_the_cost_model(model, monkeypatch):
 def test_auto_probes_a_candidate_near_the_bar(model, monkeypatch):
   """Every speculative candidate's a 2: the forwards put heads 1..2 at S 1.0, under MIN_GAIN
   (1.05) but within VERIFY_NEAR of it, and its own loop at S 2: auto probes it, then probes it
-  again (a bet is read from two probes: BET_PROBES), and bets on it (the others, at S 0.02, are
-  not probed); the output is greedy's."""
+  again (a bet is read from two probes: BET_PROBES), bets on it (the others, at S 0.02, are
+  not probed) and reads its S once more (HELD_OUT); the output is greedy's."""
   args, params = model
   cm, probed = decode_lib.costmodel, []
   monkeypatch.setattr(cm, "predict_a", lambda hist, probe, cand, **kw: 2.0 if cand.k > 1 else 1.0)
@@ -236,8 +236,8 @@ def test_auto_probes_a_candidate_near_the_bar(model, monkeypatch):
   kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD)
   r = decode_lib.decode(params, args, RAGGED, k="auto", **kw)
   np.testing.assert_array_equal(r.tokens, decode_lib.plain(params, args, RAGGED, **kw).tokens)
-  assert probed == [cm.chain(args.n_future).name, "", "1", "", "1", ""] and r.heads == 2, (
-      probed, r.auto)
+  assert probed == [cm.chain(args.n_future).name, "", "1", "", "1", "", "1", ""] and (
+      r.heads == 2), (probed, r.auto)
   assert [row["probes"] for row in r.auto["table"]] == [0, 2] + [0] * (args.n_future - 3) + [1]
   assert r.auto["S_predicted"] == pytest.approx(2.0)
 

@@ -7,13 +7,13 @@ instead of probing again. Decodes through `decoder.Decoder`. Errors name the par
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
 import numpy as np
 
 from mtp_jax.decoding import costmodel
+from mtp_jax.decoding import probes as probes_lib
 from mtp_jax.decoding import sampling as sampling_lib
 from mtp_jax.decoding import timing_cache
 from mtp_jax.decoding import tree as tree_lib
@@ -29,15 +29,9 @@ VERIFY_NEAR = 0.9  # ... and candidates predicted this close to MIN_GAIN: a T fr
 # ratios was off by up to 20% at batch 1 (chain:2 predicted 0.99, measured 1.22)
 BET_PROBES = 2  # own-loop probes a bet's T and fixed part average: a pick read from one is
 # probed again and chosen again (`Session._decide`; the dynamic tree: `Session._dynamic`)
+HELD_OUT = True  # a bet's S reported from one more own-loop probe, one the choice did not use
+# (`Session._held_out`): the readings a choice keeps drew high
 CACHE_SIZE = 32  # entries a Session keeps of each cache (the least recently used go first)
-
-
-@dataclasses.dataclass
-class _Probe:
-  """What a probe's decode result is read for, as the disk cache keeps it."""
-  rows_hist: np.ndarray
-  forwards: int
-  tokens_per_forward: float
 
 
 class Session:
@@ -137,7 +131,7 @@ class Session:
         rounds=PROBE_ROUNDS,
         sampling={n: v for n, v in sample_kw.items() if n != "seed"} if sampling else None,
         **({"again": again} if again else {})) for tree, k in windows]
-    out = [self._cached_probe(key) if key else None for key in keys]
+    out = [probes_lib.from_entry(self.disk.get(key)) if key else None for key in keys]
     missing = [i for i, o in enumerate(out) if o is None]
     if missing:
       t0 = time.perf_counter()
@@ -151,53 +145,12 @@ class Session:
         cycle, fixed = cycle * scale, fixed * scale
         out[i] = r, cycle, fixed
         if keys[i]:
-          self.disk.put(keys[i], {"rows_hist": np.asarray(r.rows_hist).tolist(),
-                                  "forwards": r.forwards,
-                                  "tokens_per_forward": r.tokens_per_forward,
-                                  "cycle_seconds": cycle, "fixed_seconds": fixed})
+          self.disk.put(keys[i], probes_lib.to_entry(r, cycle, fixed))
     return out
 
-  def _cached_probe(self, key):
-    hit = self.disk.get(key)
-    try:
-      if hit is not None:
-        return (_Probe(np.asarray(hit["rows_hist"], np.int64), int(hit["forwards"]),
-                       float(hit["tokens_per_forward"])), float(hit["cycle_seconds"]),
-                float(hit["fixed_seconds"]))
-    except (KeyError, TypeError, ValueError) as e:
-      log.warning("timing cache: ignoring a probe entry (%s: %s); probing again",
-                  type(e).__name__, e)
-    return None
-
-  def _run_probes(self, prompts, windows, *, max_new_tokens, sampling, eos_id, pad_id,
-                  sample_kw) -> list:
-    """[(result, seconds per cycle, seconds besides the cycles)] of each window, (tree, k) (tree
-    None: the chain of k), on the call's prompts. Timed, after a short run of each:
-    PROBE_ROUNDS rounds, each running every window's two `costmodel.probe_lengths` runs, a
-    short one and the whole call (interleaved, so the windows' cycles see the same moments: S is
-    their ratio), read for a cycle and the call's fixed part by `costmodel.cycle_and_fixed` (the
-    fixed part: its prefill, the call itself: with 128 new tokens at 0.3 ms a plain step, a
-    prefill of 256 tokens and the call were a third of plain decoding's time here). The result (its
-    acceptance) is the whole call's: acceptance drifts over a decode (greedy rows of the byte
-    model at batch 8 passed 1.3 drafts a cycle in the first 12 cycles and 0.1 after: the batch's
-    a was 1.09, and 12 cycles predicted 1.30)."""
-    runs, width = [], max(len(p) for p in prompts)
-    for tree, k in windows:
-      dec = Decoder(self.params, self.args, k=k, batch=len(prompts), prompt_len=width,
-                    max_new_tokens=max_new_tokens, sampling=sampling, tree=tree)
-      runs.append((lambda c, dec=dec: dec(prompts, eos_id=eos_id, pad_id=pad_id, max_cycles=c,
-                                          **sample_kw),
-                   costmodel.probe_lengths(k if tree is None else tree.k, max_new_tokens)))
-    for run, lengths in runs:  # a fresh executable's first call: up to 5x a later one here
-      run(lengths[0])
-    rounds = [[tuple(run(c) for c in lengths) for run, lengths in runs]
-              for _ in range(PROBE_ROUNDS)]
-    out = []
-    for i in range(len(windows)):
-      timed = [r[i] for r in rounds]
-      out.append((timed[0][1], *costmodel.cycle_and_fixed(
-          [(s.seconds, s.forwards, f.seconds, f.forwards) for s, f in timed])))
-    return out
+  def _run_probes(self, prompts, windows, **kw) -> list:
+    """`probes.run` of this session's model, PROBE_ROUNDS rounds."""
+    return probes_lib.run(self.params, self.args, prompts, windows, rounds=PROBE_ROUNDS, **kw)
 
   def _decide(self, prompts, *, max_new_tokens, k, n, trees, sampling, eos_id, pad_id,
               sample_kw) -> dict:
@@ -292,13 +245,17 @@ class Session:
     if trees:  # the dynamic tree of as many nodes as the best static tree, probed on its own
       picked, best = self._dynamic(prompts, picked, best, k=probe.k, pessimism=pessimism,
                                    floor_seconds=seconds(floor), beside=plain, **kw)
+    if HELD_OUT and best.k > 1:
+      picked = self._held_out(prompts, picked, best, pessimism=pessimism, beside=plain, **kw)
     spent = time.perf_counter() - t0
     label = ("plain decoding" if best.k == 1 else f"tree {best.name}" if tree_lib.is_tree(best)
              else f"heads 1..{best.k}")
     timed = sum(row["S_predicted"] is not None for row in picked["table"])
-    self.progress(f"auto: {label} (predicted S {picked['S_predicted']:.2f}); deciding took "
-                  f"{spent:.1f}s, {self.measured_seconds - measured0:.1f}s of it measured; "
-                  f"{timed} of {len(picked['table'])} candidates timed, the rest could not win")
+    chosen_on = f", chosen on {picked['S_chosen']:.2f}" if "S_chosen" in picked else ""
+    self.progress(f"auto: {label} (predicted S {picked['S_predicted']:.2f}{chosen_on}); "
+                  f"deciding took {spent:.1f}s, {self.measured_seconds - measured0:.1f}s of it "
+                  f"measured; {timed} of {len(picked['table'])} candidates timed, the rest "
+                  "could not win")
     return dict(picked, heads=best.k, tree=best if tree_lib.is_tree(best) else None,
                 probe={"tree": probe.name, "cycles": int(r.forwards) - 1,
                        "tokens_per_forward": r.tokens_per_forward, "loop_factor": factor[probe],
@@ -349,6 +306,25 @@ class Session:
     if row["S_predicted"] >= bar:
       return dict(picked, S_predicted=row["S_predicted"], a_predicted=row["a_predicted"]), dyn
     return picked, best
+
+  def _held_out(self, prompts, picked, best, *, pessimism, beside, **kw) -> dict:
+    """A bet's S as one more probe of its own loop reads it, a probe the choice did not use: the
+    readings a choice keeps are those that drew high (over 36 bets the cost model read the pick
+    log 0.08 high, p = 6e-7, where its own-loop readings of all candidates showed no bias), so
+    S_predicted and a_predicted are this probe's (its a, T and fixed part; plain decoding's from
+    the decision's probe, this one timed beside it), "S_chosen" the S the choice read, and
+    "held_out" the probe's table row. It reports; it does not choose again (a reading that
+    chooses is selected: docs/decoding.md, "A reading the choice did not use")."""
+    row = next(r for r in picked["table"] if r["tree"] == best.name)
+    by = costmodel.chain(best.k) if isinstance(best, tree_lib.Dynamic) else best
+    (r, cycle, fixed), = self._probes(
+        prompts, [(best if tree_lib.is_tree(best) else None, best.k)], beside=beside,
+        again=row["probes"], **kw)
+    held = costmodel.table_row(best, costmodel.predict_a(r.rows_hist, by, by, **pessimism),
+                               costmodel.predict_a(r.rows_hist, by, by), row["forward_1_seconds"],
+                               cycle, kw["max_new_tokens"], row["fixed_1_seconds"], fixed)
+    return dict(picked, S_predicted=held["S_predicted"], a_predicted=held["a_predicted"],
+                S_chosen=picked["S_predicted"], held_out=held)
 
   def resolve(self, prompts: list, *, max_new_tokens: int, k, tree, eos_id: int, pad_id: int,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):

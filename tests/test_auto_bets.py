@@ -12,6 +12,7 @@ from conftest import force_costs, tree_model
 from mtp_jax.decoding import decode as decode_lib
 from mtp_jax.decoding import probes as probes_lib
 from mtp_jax.decoding import session as session_lib
+from mtp_jax.decoding import timing_cache
 from mtp_jax.decoding import tree as tree_lib
 from test_tree import MAX_NEW, PAD, RAGGED
 
@@ -49,26 +50,35 @@ def test_a_dynamic_bet_is_probed_twice(model, monkeypatch):
     assert auto.get("S_chosen") == (pytest.approx(2.0) if bet else None)
 
 
-def test_auto_bets_only_on_a_pick_read_twice(model, monkeypatch):
+def test_auto_bets_only_on_a_pick_read_twice(model, monkeypatch, tmp_path):
   """The forwards say every speculative candidate wins (a 2 at one plain step's cost); on their
   own loops all lose (100 steps) but the union probe's window (one step). auto checks would-be
   bets one by one, past VERIFY_PICKS (which bounds only the candidates near the bar), until one
-  is read from two probes: the union tree. No decode runs (the probes are faked)."""
+  is read from two probes: the union tree. Its S is reported from a third probe (held out, its
+  cycle 1.25 steps: S 1.6), which a second session reads from the disk cache (its own entry) and
+  probes nothing. No decode runs (the probes are faked)."""
   args, params = model
-  cm, probed = decode_lib.costmodel, []
+  cm, probed, union_draws = decode_lib.costmodel, [], [1.0, 1.0, 1.25]
   monkeypatch.setattr(cm, "predict_a", lambda hist, probe, cand, **kw: 1.0 if cand.k == 1 else 2.0)
   force_costs(monkeypatch, lambda t: 1.0)
   union = cm.union(cm.candidates(args.n_future, True))
   fake = lambda tree, k: (probes_lib.Probe(np.ones((len(RAGGED), 8), np.int64), 10, 2.0),
                           probed.append((tree or cm.chain(k)).name) or (
-                              1.0 if k == 1 or tree == union else 100.0), 0.0)
+                              1.0 if k == 1 else union_draws.pop(0) if tree == union else 100.0),
+                          0.0)
   monkeypatch.setattr(session_lib.Session, "_run_probes",
                       lambda self, prompts, windows, **kw: [fake(*w) for w in windows])
-  k, tree, auto = decode_lib.resolve(params, args, RAGGED, max_new_tokens=MAX_NEW, eos_id=-1,
-                                     pad_id=PAD, k="auto", tree="auto")
-  assert tree == union and auto["S_predicted"] == auto["S_chosen"] == pytest.approx(2.0)
+  kw = dict(max_new_tokens=MAX_NEW, eos_id=-1, pad_id=PAD, k="auto", tree="auto")
+  k, tree, auto = decode_lib.resolve(params, args, RAGGED, **kw,
+                                     disk=timing_cache.DiskCache(str(tmp_path)))
+  assert tree == union and auto["S_chosen"] == pytest.approx(2.0)
+  assert auto["S_predicted"] == auto["held_out"]["S_predicted"] == pytest.approx(1.6)
   rows = {row["tree"]: row for row in auto["table"]}
-  assert rows[union.name]["probes"] == 2 and probed.count(union.name) == 2 + session_lib.HELD_OUT
+  assert rows[union.name]["probes"] == 2 and probed.count(union.name) == 3 and not union_draws
   checked = [name for name in dict.fromkeys(probed) if name not in ("", union.name)]
   assert len(checked) > session_lib.VERIFY_PICKS  # each a would-be bet, each lost
   assert all(rows[n]["probes"] == 1 and rows[n]["S_predicted"] < 1 for n in checked)
+  seen = len(probed)
+  warm = decode_lib.resolve(params, args, RAGGED, **kw, disk=timing_cache.DiskCache(str(tmp_path)))
+  assert len(probed) == seen and warm[:2] == (k, tree) and warm[2]["measured_seconds"] == 0
+  assert (warm[2]["S_predicted"], warm[2]["S_chosen"]) == (auto["S_predicted"], auto["S_chosen"])

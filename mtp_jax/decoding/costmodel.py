@@ -30,7 +30,8 @@ fixed part (prefill, the call), and the S compared is the call's (`call_speedup`
 is the candidate of highest predicted S, plain decoding (S = 1) unless a candidate beats it by
 MIN_GAIN; a pick other than the probe's window is probed on its own loop and chosen again
 before auto bets on it, and a pick read from one own-loop probe is probed there again and
-chosen on the two probes' mean (`session.Session`).
+chosen on the two probes' mean; a bet's S is reported from one more probe that the choice does
+not use (`session.Session`).
 """
 
 from __future__ import annotations

@@ -46,9 +46,12 @@ from mtp_jax.workdir import load_workdir
 
 
 def measure(loaded, prompts, *, k: int, max_new_tokens: int, reps: int, sample_kw,
-            tree=None) -> dict:
+            tree=None, rounds: int | None = None) -> dict:
   """One repetition: fresh decoders, the probe's reading, then bench_decode's (module doc).
-  tree: a tree window (static or dynamic) over heads 1..k instead of the chain of k."""
+  tree: a tree window (static or dynamic) over heads 1..k instead of the chain of k. rounds:
+  the probe run this many rounds (default PROBE_ROUNDS); beyond PROBE_ROUNDS, S_predicted stays
+  the first PROBE_ROUNDS' and S_predicted_all_rounds is all of them."""
+  rounds = rounds or session_lib.PROBE_ROUNDS
   shape = dict(batch=len(prompts), prompt_len=max(len(p) for p in prompts),
                max_new_tokens=max_new_tokens, sampling=bool(sample_kw))
   ids = dict(eos_id=-1, pad_id=loaded.tokenizer.pad_id, **(sample_kw or {}))
@@ -58,20 +61,24 @@ def measure(loaded, prompts, *, k: int, max_new_tokens: int, reps: int, sample_k
   for n in decoders:  # a fresh executable's first calls
     call(n)
   runs, last = {n: [] for n in decoders}, {}
-  for _ in range(session_lib.PROBE_ROUNDS):  # the probe's order: the window, then plain
+  for _ in range(rounds):  # the probe's order: the window, then plain
     for n, kk in (("chain", k), ("plain", 1)):
       short, last[n] = call(n, costmodel.probe_lengths(kk, max_new_tokens)[0]), call(n)
       runs[n].append((short.seconds, short.forwards, last[n].seconds, last[n].forwards))
   window = tree if isinstance(tree, tree_lib.Tree) else costmodel.chain(k)
   a = costmodel.predict_a(last["chain"].rows_hist, window, window, max_new_tokens=max_new_tokens)
-  (t1, f1), (t, f) = (costmodel.cycle_and_fixed(runs[n]) for n in ("plain", "chain"))
+  first = session_lib.PROBE_ROUNDS
+  (t1, f1), (t, f) = (costmodel.cycle_and_fixed(runs[n][:first]) for n in ("plain", "chain"))
+  (t1a, f1a), (ta, fa) = (costmodel.cycle_and_fixed(runs[n]) for n in ("plain", "chain"))
   timed = speed.time_modes({n: (lambda n=n: call(n)) for n in ("plain", "chain")}, reps)
   base, other = timed["plain"]["seconds"], timed["chain"]["seconds"]
-  whole = {n: [r[2] for r in runs[n]] for n in runs}
+  whole = {n: [r[2] for r in runs[n][:first]] for n in runs}
   return {"S": statistics.median(base) / statistics.median(other),
           "S_ci": speed.ratio_ci(base, other),
           "S_probe": statistics.median(whole["plain"]) / statistics.median(whole["chain"]),
           "S_predicted": costmodel.call_speedup(a, t1, t, max_new_tokens, f1, f),
+          **({"S_predicted_all_rounds": costmodel.call_speedup(a, t1a, ta, max_new_tokens, f1a,
+                                                               fa)} if rounds > first else {}),
           "plain_call_seconds": statistics.median(base), "at": time.time()}
 
 
@@ -99,7 +106,20 @@ def summarize(rows: list[dict]) -> dict:
           "log_predicted_over_S_mean": float(m.mean()),
           "log_predicted_over_S_sd": float(m.std(ddof=1)) if len(rows) > 1 else None,
           "predicted_t_p": (float(stats.ttest_1samp(m, 0.0).pvalue)
-                            if len(rows) > 2 and np.ptp(m) > 0 else None)}
+                            if len(rows) > 2 and np.ptp(m) > 0 else None),
+          **(_all_rounds(rows, m) if all("S_predicted_all_rounds" in r for r in rows) else {})}
+
+
+def _all_rounds(rows: list[dict], m: np.ndarray) -> dict:
+  """The longer probe's reading (S_predicted_all_rounds) against S, beside the first
+  PROBE_ROUNDS' (m): its mean and sd of log, and the Pitman-Morgan test of the two sds (paired:
+  the same repetitions; Pearson's r of their sum and difference, 0 where the sds are equal)."""
+  m_all = np.log([r["S_predicted_all_rounds"] / r["S"] for r in rows])
+  out = {"log_predicted_all_rounds_over_S_mean": float(m_all.mean()),
+         "log_predicted_all_rounds_over_S_sd": float(m_all.std(ddof=1))}
+  if len(rows) > 2 and np.ptp(m + m_all) > 0 and np.ptp(m - m_all) > 0:
+    out["sd_pitman_morgan_p"] = float(stats.pearsonr(m + m_all, m - m_all).pvalue)
+  return out
 
 
 def plot(rows: list[dict], summary: dict, path: str, title: str) -> None:
@@ -141,12 +161,16 @@ def main(argv=None) -> dict:
   ap.add_argument("--reps", type=int, default=15, help="bench_decode's timed rounds")
   ap.add_argument("--gap_seconds", type=float, default=0.0, help="a pause between repetitions")
   ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled rows (top-p 0.95)")
+  ap.add_argument("--probe_rounds", type=int, default=session_lib.PROBE_ROUNDS,
+                  help="the probe's rounds; more than PROBE_ROUNDS: also read from all of them")
   ap.add_argument("--json", default=None)
   ap.add_argument("--png", default=None)
   args = ap.parse_args(argv)
   if args.repeats < 2 or args.reps < speed.REPS or args.gap_seconds < 0:
     ap.error(f"--repeats: at least 2, --reps: at least {speed.REPS}, --gap_seconds: >= 0; got "
              f"{args.repeats}, {args.reps}, {args.gap_seconds}")
+  if args.probe_rounds < session_lib.PROBE_ROUNDS:
+    ap.error(f"--probe_rounds: at least {session_lib.PROBE_ROUNDS}, got {args.probe_rounds}")
   loaded = load_workdir(args.workdir)
   if not 2 <= args.k <= loaded.model.args.n_future:
     ap.error(f"--k: 2 to the model's {loaded.model.args.n_future} heads, got {args.k}")
@@ -165,16 +189,20 @@ def main(argv=None) -> dict:
     if i and args.gap_seconds:
       time.sleep(args.gap_seconds)
     rows.append(measure(loaded, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
-                        reps=args.reps, sample_kw=sample_kw, tree=tree))
+                        reps=args.reps, sample_kw=sample_kw, tree=tree,
+                        rounds=args.probe_rounds))
     r = rows[-1]
     print(f"repetition {i + 1}/{args.repeats}: S {r['S']:.3f} ({r['S_ci'][0]:.3f}-"
           f"{r['S_ci'][1]:.3f}), as the probe reads it {r['S_probe']:.3f} (whole calls), "
-          f"{r['S_predicted']:.3f} (the cost model)", flush=True)
+          f"{r['S_predicted']:.3f} (the cost model)" + (
+              f", {r['S_predicted_all_rounds']:.3f} from all {args.probe_rounds} rounds"
+              if "S_predicted_all_rounds" in r else ""), flush=True)
   summary = summarize(rows)
   result = {"workdir": args.workdir, "batch": args.batch, "prompt_len": args.prompt_len,
             "max_new_tokens": args.max_new_tokens, "k": args.k,
             "tree": tree.name if tree else None, "reps": args.reps,
-            "probe_rounds": session_lib.PROBE_ROUNDS, "gap_seconds": args.gap_seconds,
+            "probe_rounds": session_lib.PROBE_ROUNDS, "probe_rounds_all": args.probe_rounds,
+            "gap_seconds": args.gap_seconds,
             "sampling": sample_kw, "rows": rows, "summary": summary}
   common.emit(result, args.json)
   if args.png:

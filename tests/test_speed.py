@@ -284,3 +284,19 @@ def test_pace_drift_summary_by_hand():
   assert s["log_probe_over_S_mean"] == pytest.approx(0.05) and s["probe_t_p"] is None
   assert s["log_predicted_over_S_mean"] == pytest.approx(-0.1) and s["predicted_t_p"] is None
   assert s["sd_log_S_between"] == pytest.approx(np.std([0.1, -0.1], ddof=1))
+
+
+def test_pace_drift_longer_probe_by_hand():
+  """A probe run past PROBE_ROUNDS: its reading from all rounds against S beside the first
+  rounds'. Errors in log -0.2, 0, +0.2 from the first rounds and -0.1, 0, +0.1 from all: the sd
+  halves; the sum and difference of the two are then perfectly correlated (Pitman-Morgan's r 1)."""
+  from experiments import pace_drift
+  row = lambda x: {"S": 1.0, "S_ci": [0.9, 1.1], "S_probe": 1.0, "S_predicted": np.exp(x),
+                   "S_predicted_all_rounds": np.exp(x / 2)}
+  s = pace_drift.summarize([row(-0.2), row(0.0), row(0.2)])
+  assert s["log_predicted_over_S_sd"] == pytest.approx(0.2)
+  assert s["log_predicted_all_rounds_over_S_sd"] == pytest.approx(0.1)
+  assert s["log_predicted_all_rounds_over_S_mean"] == pytest.approx(0.0, abs=1e-12)
+  assert s["sd_pitman_morgan_p"] == pytest.approx(0.0, abs=1e-6)
+  plain = {k: v for k, v in row(0.1).items() if k != "S_predicted_all_rounds"}
+  assert "log_predicted_all_rounds_over_S_sd" not in pace_drift.summarize([plain, plain])

@@ -140,8 +140,9 @@ def test_pace_drift(trained, tmp_path, capsys):
   out = tmp_path / "drift.json"
   rec = pace_drift.main(["--workdir", trained["wd"], "--prompt_len", "8", "--max_new_tokens",
                          "8", "--repeats", "2", "--reps", "3", "--tree", "dynamic:3", "--json",
-                         str(out), "--png", str(tmp_path / "d.png")])
-  assert rec["tree"] == "dynamic:3" and rec["k"] == 2
+                         str(out), "--png", str(tmp_path / "d.png"), "--probe_rounds", "4"])
+  assert rec["tree"] == "dynamic:3" and rec["k"] == 2 and rec["probe_rounds_all"] == 4
+  assert all(r["S_predicted_all_rounds"] > 0 for r in rec["rows"])
   assert len(rec["rows"]) == 2 and os.path.getsize(tmp_path / "d.png") > 0
   assert all(r["S_ci"][0] <= r["S"] <= r["S_ci"][1] and r["S_probe"] > 0 for r in rec["rows"])
   assert rec["summary"]["repeats"] == 2 and _json(out)["machine"]["cpu_count"]

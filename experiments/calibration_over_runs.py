@@ -111,11 +111,14 @@ def _bet_records(runs: list[dict]) -> list[dict]:
           if v in AUTO and r.get("S_predicted_auto") and _choice(r) != "plain"]
 
 
-def _bet_logs(runs: list[dict], field: str = "S_predicted_auto") -> list[float]:
-  """log(S predicted / S measured) of auto's pick in every record where it bet; field
+def _bet_log(r: dict, field: str = "S_predicted_auto") -> float:
+  """log(S predicted / S measured) of auto's pick in a record where it bet; field
   "S_chosen_auto": the S its choice read (before a held-out probe: the one predicted)."""
-  return [float(np.log(r.get(field, r["S_predicted_auto"]) / r["S_measured"]))
-          for r in _bet_records(runs)]
+  return float(np.log(r.get(field, r["S_predicted_auto"]) / r["S_measured"]))
+
+
+def _bet_logs(runs: list[dict]) -> list[float]:
+  return [_bet_log(r) for r in _bet_records(runs)]
 
 
 def bets(runs: list[dict]) -> dict:
@@ -124,10 +127,11 @@ def bets(runs: list[dict]) -> dict:
   so a bias shows here that the candidates' (`bias`) does not (docs/decoding.md, "Bets probed
   twice"). "chosen": the same of the S the choice read, and where a held-out probe predicted
   (S_chosen_auto), the paired t-test of the two ("A reading the choice did not use")."""
-  xs, chosen = _bet_logs(runs), _bet_logs(runs, "S_chosen_auto")
+  recs = _bet_records(runs)
+  xs, chosen = [_bet_log(r) for r in recs], [_bet_log(r, "S_chosen_auto") for r in recs]
   within = lambda v: int(sum(abs(np.expm1(x)) <= 0.15 for x in v))
   sd = lambda v: float(np.std(v, ddof=1)) if len(v) > 1 else None
-  held = [(x, c) for x, c, r in zip(xs, chosen, _bet_records(runs)) if "S_chosen_auto" in r]
+  held = [(x, c) for x, c, r in zip(xs, chosen, recs) if "S_chosen_auto" in r]
   out = {**_mean_test(xs), "sd": sd(xs), "within_15pct": within(xs),
          "chosen": {**_mean_test(chosen), "sd": sd(chosen), "within_15pct": within(chosen)},
          "held_out": len(held)}

@@ -68,17 +68,19 @@ def measure(loaded, prompts, *, k: int, max_new_tokens: int, reps: int, sample_k
   window = tree if isinstance(tree, tree_lib.Tree) else costmodel.chain(k)
   a = costmodel.predict_a(last["chain"].rows_hist, window, window, max_new_tokens=max_new_tokens)
   first = session_lib.PROBE_ROUNDS
-  (t1, f1), (t, f) = (costmodel.cycle_and_fixed(runs[n][:first]) for n in ("plain", "chain"))
-  (t1a, f1a), (ta, fa) = (costmodel.cycle_and_fixed(runs[n]) for n in ("plain", "chain"))
+
+  def predicted(n_rounds: int) -> float:  # the cost model's S from the probe's first rounds
+    (t1, f1), (t, f) = (costmodel.cycle_and_fixed(runs[n][:n_rounds]) for n in ("plain", "chain"))
+    return costmodel.call_speedup(a, t1, t, max_new_tokens, f1, f)
+
   timed = speed.time_modes({n: (lambda n=n: call(n)) for n in ("plain", "chain")}, reps)
   base, other = timed["plain"]["seconds"], timed["chain"]["seconds"]
   whole = {n: [r[2] for r in runs[n][:first]] for n in runs}
   return {"S": statistics.median(base) / statistics.median(other),
           "S_ci": speed.ratio_ci(base, other),
           "S_probe": statistics.median(whole["plain"]) / statistics.median(whole["chain"]),
-          "S_predicted": costmodel.call_speedup(a, t1, t, max_new_tokens, f1, f),
-          **({"S_predicted_all_rounds": costmodel.call_speedup(a, t1a, ta, max_new_tokens, f1a,
-                                                               fa)} if rounds > first else {}),
+          "S_predicted": predicted(first),
+          **({"S_predicted_all_rounds": predicted(rounds)} if rounds > first else {}),
           "plain_call_seconds": statistics.median(base), "at": time.time()}
 
 

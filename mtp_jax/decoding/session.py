@@ -34,6 +34,19 @@ HELD_OUT = True  # a bet's S reported from one more own-loop probe, one the choi
 CACHE_SIZE = 32  # entries a Session keeps of each cache (the least recently used go first)
 
 
+def _own_a(hist, window, pessimism: dict) -> tuple[float, float]:
+  """(a, the slowest row's mean a) of a window read from a probe of its own loop (`hist`); a
+  dynamic tree's histogram is by depth, read as the chain of its heads."""
+  by = costmodel.chain(window.k) if isinstance(window, tree_lib.Dynamic) else window
+  return costmodel.predict_a(hist, by, by, **pessimism), costmodel.predict_a(hist, by, by)
+
+
+def _loop(window) -> tuple:
+  """(tree, k) of a window's own decoding loop, as `Session._probes` takes it (tree None: the
+  chain of k)."""
+  return window if tree_lib.is_tree(window) else None, window.k
+
+
 class Session:
   """Decoding with one model (params, args): what heads="auto" / tree="auto" decided (`choose`)
   and what the cost model timed (`forward_times`), per shape and mode, kept for the session's
@@ -229,14 +242,13 @@ class Session:
           or (not again and not bet and verified >= VERIFY_PICKS)):
         break
       (rb, t_best, f_best), = self._probes(
-          prompts, [(best if tree_lib.is_tree(best) else None, best.k)], **kw, beside=plain,
+          prompts, [_loop(best)], **kw, beside=plain,
           again=again)
       readings.setdefault(best, []).append((t_best, f_best))
       own[best] = tuple(float(v) for v in np.mean(readings[best], axis=0))
       if not again:
         verified += 1
-        a_of[best] = costmodel.predict_a(rb.rows_hist, best, best, **pessimism)
-        a_mean_of[best] = costmodel.predict_a(rb.rows_hist, best, best)
+        a_of[best], a_mean_of[best] = _own_a(rb.rows_hist, best, pessimism)
       picked = choose(cands, bound=bound)
     for row, c in zip(picked["table"], cands):
       row["own_loop"] = c in own  # T measured on its own loop
@@ -291,9 +303,7 @@ class Session:
       row = costmodel.table_row(dyn, a, a, top["forward_1_seconds"], None, bound=bound)
       return dict(picked, table=picked["table"] + [row]), best
     probes = self._probes(prompts, [(dyn, k)], beside=beside, **kw)
-    hist, by_depth = probes[0][0].rows_hist, costmodel.chain(k)  # its a: the first probe's
-    a = (costmodel.predict_a(hist, by_depth, by_depth, **pessimism),  # histogram, by depth
-         costmodel.predict_a(hist, by_depth, by_depth))
+    a = _own_a(probes[0][0].rows_hist, dyn, pessimism)  # its a: the first probe's
     while True:
       row = costmodel.table_row(  # T and the fixed part: the probes' means
           dyn, *a, top["forward_1_seconds"], float(np.mean([p[1] for p in probes])),
@@ -316,13 +326,11 @@ class Session:
     "held_out" the probe's table row. It reports; it does not choose again (a reading that
     chooses is selected: docs/decoding.md, "A reading the choice did not use")."""
     row = next(r for r in picked["table"] if r["tree"] == best.name)
-    by = costmodel.chain(best.k) if isinstance(best, tree_lib.Dynamic) else best
-    (r, cycle, fixed), = self._probes(
-        prompts, [(best if tree_lib.is_tree(best) else None, best.k)], beside=beside,
-        again=row["probes"], **kw)
-    held = costmodel.table_row(best, costmodel.predict_a(r.rows_hist, by, by, **pessimism),
-                               costmodel.predict_a(r.rows_hist, by, by), row["forward_1_seconds"],
-                               cycle, kw["max_new_tokens"], row["fixed_1_seconds"], fixed)
+    (r, cycle, fixed), = self._probes(prompts, [_loop(best)], beside=beside,
+                                      again=row["probes"], **kw)
+    held = costmodel.table_row(best, *_own_a(r.rows_hist, best, pessimism),
+                               row["forward_1_seconds"], cycle, kw["max_new_tokens"],
+                               row["fixed_1_seconds"], fixed)
     return dict(picked, S_predicted=held["S_predicted"], a_predicted=held["a_predicted"],
                 S_chosen=picked["S_predicted"], held_out=held)
 
